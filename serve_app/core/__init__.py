@@ -1,0 +1,1 @@
+"""Plain Python + torch building blocks. Nothing in this package imports ray."""

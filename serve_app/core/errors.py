@@ -1,0 +1,76 @@
+"""Errors that carry their own HTTP meaning.
+
+Model code and deployments raise these; the router (the single error boundary) turns
+them into OpenAI-style error bodies. They must survive a trip through Ray's pickling,
+so every field is a constructor argument (see ``__reduce__``).
+"""
+
+from __future__ import annotations
+
+
+class ServeAppError(Exception):
+    """Base class: an error whose status and OpenAI error type are known."""
+
+    status_code = 500
+    error_type = "server_error"
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+    def __reduce__(self):
+        return (_rebuild, (type(self), self.message, self.param, self.code))
+
+    def to_body(self) -> dict:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.error_type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+def _rebuild(cls, message, param, code):
+    return cls(message, param=param, code=code)
+
+
+class InvalidRequestError(ServeAppError):
+    """The client sent something we cannot serve (HTTP 400)."""
+
+    status_code = 400
+    error_type = "invalid_request_error"
+
+
+class ContextLengthExceededError(InvalidRequestError):
+    """An input is longer than the model accepts; the message names both numbers."""
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = "context_length_exceeded"):
+        super().__init__(message, param=param, code=code)
+
+
+class ModelNotFoundError(ServeAppError):
+    """The request names a model this service does not serve (HTTP 404)."""
+
+    status_code = 404
+    error_type = "invalid_request_error"
+
+    def __init__(self, message: str, *, param: str | None = "model", code: str | None = "model_not_found"):
+        super().__init__(message, param=param, code=code)
+
+
+class OverloadedError(ServeAppError):
+    """Queues are full; the client should retry later (HTTP 503 with Retry-After)."""
+
+    status_code = 503
+    error_type = "overloaded_error"
+
+
+class DeadlineExceededError(ServeAppError):
+    """The request waited or ran past its deadline (HTTP 504)."""
+
+    status_code = 504
+    error_type = "timeout_error"
