@@ -1,0 +1,72 @@
+"""Session-wide fixtures: tiny offline models, built once per test session.
+
+Nothing in the tests may reach a model hub, so HF_HUB_OFFLINE is set before anything
+imports huggingface_hub or transformers.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+# tiny_models lives next to this file; make it importable whatever the import mode.
+_TESTS_DIR = str(Path(__file__).resolve().parent)
+if _TESTS_DIR not in sys.path:
+    sys.path.insert(0, _TESTS_DIR)
+
+import pytest  # noqa: E402
+
+import tiny_models  # noqa: E402
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: loads a real packaged model (tens of seconds)")
+
+
+@pytest.fixture(scope="session")
+def tiny_bert_embedding_dir(tmp_path_factory) -> Path:
+    """A tiny random BERT for the embedding task (max 64 tokens, MiniLM vocabulary)."""
+    if tiny_models.minilm_model_dir() is None:
+        pytest.skip(f"{tiny_models.MINILM_PACKAGE} is not installed (its tokenizer files are needed)")
+    return tiny_models.build_tiny_bert(tmp_path_factory.mktemp("tiny_bert_embedding"), task="embedding")
+
+
+@pytest.fixture(scope="session")
+def tiny_bert_classifier_dir(tmp_path_factory) -> Path:
+    """A tiny random BERT sequence classifier with labels ("negative", "positive")."""
+    if tiny_models.minilm_model_dir() is None:
+        pytest.skip(f"{tiny_models.MINILM_PACKAGE} is not installed (its tokenizer files are needed)")
+    return tiny_models.build_tiny_bert(tmp_path_factory.mktemp("tiny_bert_classifier"), task="text-classification")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    """A tiny random Llama causal LM (max 128 positions) with a ChatML chat template."""
+    return tiny_models.build_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_no_chat_dir(tmp_path_factory) -> Path:
+    """The tiny Llama without a chat template."""
+    return tiny_models.build_tiny_llama(tmp_path_factory.mktemp("tiny_llama_no_chat"), chat_template=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_vit_dir(tmp_path_factory) -> Path:
+    """A tiny random ViT image classifier (32x32 images) with labels ("cat", "dog", "bird")."""
+    return tiny_models.build_tiny_vit(tmp_path_factory.mktemp("tiny_vit"))
+
+
+@pytest.fixture(scope="session")
+def minilm_package_available() -> bool:
+    return tiny_models.minilm_model_dir() is not None
+
+
+@pytest.fixture(scope="session")
+def smollm_package_available() -> bool:
+    return tiny_models.smollm_gguf_file() is not None
