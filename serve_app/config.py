@@ -244,3 +244,33 @@ def parse_app_config(args: Any) -> AppConfig:
                 line += f"; expected: {hint}"
             lines.append(line)
         raise ConfigError("invalid serve_app config:\n" + "\n".join(lines)) from None
+
+
+def reference_markdown() -> str:
+    """The config reference for README: one table per section, from the field docs."""
+    sections = [
+        ("args", AppConfig),
+        ("args.router", RouterConfig),
+        ("args.models[]", ModelConfig),
+        ("args.models[].batching", BatchingConfig),
+        ("args.models[].resources", ResourcesConfig),
+        ("args.models[].generation", GenerationConfig),
+    ]
+    out = []
+    for title, model in sections:
+        out.append(f"#### `{title}`\n\n| field | default | meaning |\n|---|---|---|")
+        for name, info in model.model_fields.items():
+            if info.is_required():
+                default = "required"
+            elif info.default_factory is not None:
+                default = "see below"
+            else:
+                default = f"`{info.default!r}`" if info.default is not None else "none"
+            meaning = (info.description or "").replace("|", "\\|")
+            out.append(f"| `{name}` | {default} | {meaning} |")
+        out.append("")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    print(reference_markdown())

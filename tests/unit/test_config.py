@@ -84,3 +84,14 @@ def test_config_tasks_match_runtime_tasks():
     from serve_app.core.runtime import TASKS
 
     assert set(Task.__args__) == set(TASKS)
+
+
+def test_readme_config_reference_is_current():
+    from serve_app.config import reference_markdown
+
+    readme = (ROOT / "README.md").read_text()
+    start, end = "<!-- config-reference:start -->\n", "\n<!-- config-reference:end -->"
+    current = readme[readme.index(start) + len(start) : readme.index(end)]
+    assert current.strip() == reference_markdown().strip(), (
+        "README's config reference is stale: paste the output of `python -m serve_app.config`"
+    )

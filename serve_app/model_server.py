@@ -1,0 +1,324 @@
+"""ModelServer: one Ray Serve deployment per configured model.
+
+It only adapts requests to the model code: each input of a request becomes one row in
+a ``@serve.batch`` queue; a queue batch is cut by ``core.batching`` into length-sorted
+sub-batches, each padded only to its own longest row and run by ``core.runtime``; the
+results go back to their callers in arrival order. A row whose sub-batch fails gets
+its exception back alone, so one bad item never fails the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+from ray import serve
+
+from serve_app.config import BatchingConfig, ModelConfig
+from serve_app.core.batching import plan_batches, scatter
+from serve_app.core.errors import ContextLengthExceededError, InvalidRequestError
+from serve_app.core.runtime import (
+    EmbeddingRuntime,
+    GenerationRequest,
+    GenerationRuntime,
+    ImageClassificationRuntime,
+    LoadOptions,
+    SamplingParams,
+    TextClassificationRuntime,
+    load_runtime,
+)
+
+logger = logging.getLogger("ray.serve")
+
+
+@dataclass
+class _Row:
+    """One input waiting in the batch queue."""
+
+    payload: Any  # token ids, a pixel tensor or a GenerationRequest
+    tokens: int  # what this row costs the batch's token budget
+    group: Any  # rows in different groups never share a model call (sampling params)
+    enqueued_at: float
+    # The budgets in force when the row was queued, read by _batch_cost (which Ray
+    # calls with the rows alone, not the replica).
+    token_budget: int
+    row_budget: int
+
+
+def _batch_cost(rows: Sequence[_Row]) -> int:
+    """Batch size in row units that also charges tokens.
+
+    Ray's queue closes a batch when this reaches ``max_batch_size`` (R). Rows count 1
+    each, and tokens count R/T each, so the value stays <= R exactly when the batch
+    has <= R rows and <= T tokens (T = max_batch_tokens). A single row longer than T
+    is charged T, so it still runs, alone.
+    """
+    token_budget, row_budget = rows[0].token_budget, rows[0].row_budget
+    tokens = sum(min(row.tokens, token_budget) for row in rows)
+    return max(len(rows), math.ceil(tokens * row_budget / token_budget))
+
+
+class _BatchStats:
+    """Counters for /v1/stats and tests; Prometheus metrics live in metrics.py."""
+
+    def __init__(self, window: int = 256):
+        self.requests = 0
+        self.rows = 0
+        self.batches = 0
+        self.model_calls = 0
+        self.real_tokens = 0
+        self.padded_tokens = 0
+        self.recent_batch_rows: deque[int] = deque(maxlen=window)
+        self.recent_queue_wait_s: deque[float] = deque(maxlen=window)
+
+    def snapshot(self) -> dict:
+        recent = list(self.recent_batch_rows)
+        waits = sorted(self.recent_queue_wait_s)
+        return {
+            "requests": self.requests,
+            "rows": self.rows,
+            "batches": self.batches,
+            "model_calls": self.model_calls,
+            "real_tokens": self.real_tokens,
+            "padded_tokens": self.padded_tokens,
+            "padding_efficiency": (self.real_tokens / self.padded_tokens) if self.padded_tokens else None,
+            "mean_batch_rows": (sum(recent) / len(recent)) if recent else None,
+            "max_batch_rows": max(recent) if recent else None,
+            "p50_queue_wait_s": waits[len(waits) // 2] if waits else None,
+        }
+
+
+@serve.deployment
+class ModelServer:
+    def __init__(self, model_config: dict):
+        self.config = ModelConfig.model_validate(model_config)
+        torch.set_num_threads(self.config.effective_torch_threads())
+        started = time.perf_counter()
+        self.runtime = load_runtime(
+            LoadOptions(
+                source=self.config.source,
+                task=self.config.task,
+                precision=self.config.precision,
+                device=self.config.device,
+                trust_remote_code=self.config.trust_remote_code,
+                hub_revision=self.config.hub_revision,
+            )
+        )
+        logger.info(
+            "model %s loaded from %s in %.1fs: task=%s device=%s dtype=%s revision=%s context=%d threads=%d",
+            self.config.name,
+            self.config.source,
+            time.perf_counter() - started,
+            self.runtime.task,
+            self.runtime.device,
+            self.runtime.dtype,
+            self.runtime.revision,
+            self.runtime.max_input_tokens,
+            torch.get_num_threads(),
+        )
+        self.stats = _BatchStats()
+        self._apply_batching(self.config.batching)
+
+    # ---- configuration --------------------------------------------------------
+
+    def reconfigure(self, user_config: dict) -> None:
+        """Retune batching in place (Serve calls this on a user_config change).
+
+        ``user_config`` may name only some knobs (a ``deployments:`` override in the
+        Serve config file); the rest keep the values from the model's ``batching:``.
+        """
+        merged = {**self.config.batching.model_dump(), **(user_config or {})}
+        batching = BatchingConfig.model_validate(merged)
+        self._apply_batching(batching)
+        logger.info("model %s batching retuned: %s", self.config.name, batching.model_dump())
+
+    def _apply_batching(self, batching: BatchingConfig) -> None:
+        self.batching = batching
+        self._run_queued.set_max_batch_size(batching.max_batch_size)
+        self._run_queued.set_batch_wait_timeout_s(batching.batch_wait_timeout_s)
+
+    # ---- the batch queue --------------------------------------------------------
+
+    def _row(self, payload: Any, tokens: int, group: Any = None) -> _Row:
+        return _Row(
+            payload=payload,
+            tokens=tokens,
+            group=group,
+            enqueued_at=time.monotonic(),
+            token_budget=self.batching.max_batch_tokens,
+            row_budget=self.batching.max_batch_size,
+        )
+
+    @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.01, batch_size_fn=_batch_cost)
+    async def _run_queued(self, rows: list[_Row]) -> list[Any]:
+        # The model runs in a worker thread so this replica's event loop keeps
+        # accepting requests (and forming the next batch) while it computes.
+        return await asyncio.to_thread(self._run_batch, rows)
+
+    def _run_batch(self, rows: list[_Row]) -> list[Any]:
+        now = time.monotonic()
+        stats = self.stats
+        stats.batches += 1
+        stats.rows += len(rows)
+        stats.recent_batch_rows.append(len(rows))
+        stats.recent_queue_wait_s.extend(now - row.enqueued_at for row in rows)
+
+        results: list[Any] = [None] * len(rows)
+        groups: dict[Any, list[int]] = {}
+        for index, row in enumerate(rows):
+            groups.setdefault(row.group, []).append(index)
+        for group, indices in groups.items():
+            group_rows = [rows[i] for i in indices]
+            plan = plan_batches(
+                [row.tokens for row in group_rows],
+                max_batch_tokens=self.batching.max_batch_tokens,
+                max_rows=self.batching.max_batch_size,
+                sub_batch_overhead_tokens=self.batching.sub_batch_overhead_tokens,
+            )
+            outputs = []
+            for sub_batch in plan.sub_batches:
+                payloads = [group_rows[i].payload for i in sub_batch.indices]
+                try:
+                    out = self._call_model(payloads, group)
+                    if len(out) != len(payloads):
+                        raise RuntimeError(
+                            f"model {self.config.name} returned {len(out)} outputs for {len(payloads)} inputs"
+                        )
+                except Exception as exc:  # fail only the rows of this sub-batch
+                    logger.exception("model %s failed on a sub-batch of %d rows", self.config.name, len(payloads))
+                    out = [exc] * len(payloads)
+                outputs.append(out)
+            stats.model_calls += len(plan.sub_batches)
+            stats.real_tokens += plan.real_tokens
+            stats.padded_tokens += plan.padded_tokens
+            for i, output in zip(indices, scatter(plan, outputs)):
+                results[i] = output
+        return results
+
+    def _call_model(self, payloads: list[Any], group: Any) -> list[Any]:
+        runtime = self.runtime
+        if isinstance(runtime, EmbeddingRuntime):
+            return runtime.embed(payloads)
+        if isinstance(runtime, TextClassificationRuntime):
+            return runtime.classify(payloads, top_k=len(runtime.labels))
+        if isinstance(runtime, ImageClassificationRuntime):
+            return runtime.classify(payloads, top_k=len(runtime.labels))
+        if isinstance(runtime, GenerationRuntime):
+            return runtime.generate(payloads, group)
+        raise TypeError(f"no batch call for runtime {type(runtime).__name__}")
+
+    async def _submit(self, rows: list[_Row]) -> list[Any]:
+        self.stats.requests += 1
+        results = await asyncio.gather(*(self._run_queued(row) for row in rows))
+        for result in results:
+            if isinstance(result, Exception):
+                raise result
+        return results
+
+    def _require(self, runtime_type: type, operation: str):
+        if not isinstance(self.runtime, runtime_type):
+            raise InvalidRequestError(
+                f"model {self.config.name!r} serves {self.runtime.task}, which does not support {operation}",
+                param="model",
+                code="wrong_task",
+            )
+        return self.runtime
+
+    # ---- the API the router calls ----------------------------------------------
+
+    async def info(self) -> dict:
+        runtime = self.runtime
+        return {
+            "name": self.config.name,
+            "task": runtime.task,
+            "revision": runtime.revision,
+            "max_input_tokens": runtime.max_input_tokens,
+            "device": str(runtime.device),
+            "dtype": str(runtime.dtype).replace("torch.", ""),
+            "labels": list(getattr(runtime, "labels", []) or []),
+        }
+
+    async def get_stats(self) -> dict:
+        return {
+            "replica": serve.get_replica_context().replica_id.unique_id,
+            "batching": self.batching.model_dump(),
+            **self.stats.snapshot(),
+        }
+
+    async def embed(self, texts: list[str]) -> dict:
+        runtime = self._require(EmbeddingRuntime, "embeddings")
+        token_rows = [_with_param(runtime.tokenize, text, "input", i, len(texts)) for i, text in enumerate(texts)]
+        vectors = await self._submit([self._row(ids, len(ids)) for ids in token_rows])
+        return {"embeddings": vectors, "prompt_tokens": sum(len(ids) for ids in token_rows)}
+
+    async def classify_texts(self, texts: list[str], top_k: int) -> dict:
+        runtime = self._require(TextClassificationRuntime, "text classification")
+        token_rows = [_with_param(runtime.tokenize, text, "input", i, len(texts)) for i, text in enumerate(texts)]
+        ranked = await self._submit([self._row(ids, len(ids)) for ids in token_rows])
+        return {"results": [r[:top_k] for r in ranked], "prompt_tokens": sum(len(ids) for ids in token_rows)}
+
+    async def classify_images(self, images: list[bytes], top_k: int) -> dict:
+        runtime = self._require(ImageClassificationRuntime, "image classification")
+        pixels = [_with_param(runtime.decode, image, "image", i, len(images)) for i, image in enumerate(images)]
+        # Every image is resized to the same shape, so each row costs the same.
+        ranked = await self._submit([self._row(p, 1) for p in pixels])
+        return {"results": [r[:top_k] for r in ranked], "prompt_tokens": 0}
+
+    async def generate(
+        self,
+        *,
+        prompts: Optional[list[str]] = None,
+        messages: Optional[list[dict]] = None,
+        max_tokens: int,
+        temperature: float,
+        top_p: float,
+        stop: Sequence[str] = (),
+        seed: Optional[int] = None,
+    ) -> list[dict]:
+        """Generate for each prompt (completions) or for one chat (``messages``)."""
+        runtime = self._require(GenerationRuntime, "text generation")
+        if messages is not None:
+            prompt_rows = [runtime.encode_chat(messages)]
+        else:
+            prompt_rows = [
+                _with_param(runtime.encode_prompt, prompt, "prompt", i, len(prompts or ())) for i, prompt in enumerate(prompts or ())
+            ]
+        for ids in prompt_rows:
+            total = len(ids) + max_tokens
+            if total > runtime.max_input_tokens:
+                raise ContextLengthExceededError(
+                    f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) = {total} tokens exceeds "
+                    f"the model's context of {runtime.max_input_tokens} tokens; shorten the prompt or lower max_tokens",
+                    param="max_tokens",
+                )
+        params = SamplingParams(temperature=temperature, top_p=top_p, seed=seed)
+        rows = [
+            self._row(GenerationRequest(prompt_ids=ids, max_tokens=max_tokens, stop=tuple(stop)), len(ids) + max_tokens, params)
+            for ids in prompt_rows
+        ]
+        results = await self._submit(rows)
+        return [
+            {
+                "text": r.text,
+                "finish_reason": r.finish_reason,
+                "prompt_tokens": r.prompt_tokens,
+                "completion_tokens": r.completion_tokens,
+            }
+            for r in results
+        ]
+
+
+def _with_param(fn, value, field: str, index: int, count: int):
+    """Run a per-input check, naming the input's position in the error for lists."""
+    try:
+        return fn(value)
+    except InvalidRequestError as exc:
+        if count > 1 and (exc.param in (None, field)):
+            exc.param = f"{field}[{index}]"
+        raise

@@ -1,0 +1,145 @@
+"""One Ray instance for the whole integration session; requests go through the real
+HTTP proxy on a free local port."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+ray = pytest.importorskip("ray")
+from ray import serve  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def serve_instance():
+    # Logical CPUs: the fractional replicas below are placed by Ray, while torch
+    # threads (set per replica) decide how much of the 2 real cores each uses.
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, namespace="serve_app_tests")
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def tiny_app_args(embedding_dir, classifier_dir, llama_dir, vit_dir) -> dict:
+    small = {"num_cpus": 0.25, "torch_threads": 1}
+    return {
+        "router": {"num_cpus": 0.25, "request_timeout_s": 60},
+        "models": [
+            {
+                "name": "tiny-embed",
+                "source": str(embedding_dir),
+                "task": "embedding",
+                # A long wait lets a burst of concurrent HTTP requests meet in one batch.
+                "batching": {"max_batch_size": 32, "max_batch_tokens": 4096, "batch_wait_timeout_s": 0.1},
+                "resources": small,
+                "max_inputs_per_request": 8,
+            },
+            {
+                "name": "tiny-classifier",
+                "source": str(classifier_dir),
+                "task": "text-classification",
+                "resources": small,
+                "top_k_limit": 2,
+            },
+            {
+                "name": "tiny-llama",
+                "source": str(llama_dir),
+                "task": "text-generation",
+                "batching": {"max_batch_size": 8, "max_batch_tokens": 2048, "batch_wait_timeout_s": 0.05},
+                "resources": small,
+                "generation": {"default_max_tokens": 8, "max_tokens_limit": 64},
+            },
+            {"name": "tiny-vit", "source": str(vit_dir), "task": "image-classification", "resources": small},
+        ],
+    }
+
+
+LOCAL_YAML = Path(__file__).resolve().parents[2] / "deployments" / "local.yaml"
+
+
+def local_app_config() -> dict:
+    """deployments/local.yaml's application, moved under /local so both apps coexist."""
+    (application,) = yaml.safe_load(LOCAL_YAML.read_text())["applications"]
+    return {**application, "name": "local", "route_prefix": "/local"}
+
+
+def deploy_config(applications: list[dict], timeout_s: float = 600) -> None:
+    """Deploy as `serve deploy` / `serve run <file>` do: a declarative config, so a
+    change of deployment options only (user_config) reaches live replicas in place."""
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import ServeDeploySchema
+
+    _get_global_client().deploy_apps(ServeDeploySchema.model_validate({"applications": applications}))
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        statuses = serve.status().applications
+        states = {name: statuses[name].status if name in statuses else None for name in (a["name"] for a in applications)}
+        if all(state == "RUNNING" for state in states.values()):
+            return
+        failed = {n: statuses[n].message for n, st in states.items() if st in ("DEPLOY_FAILED", "UNHEALTHY")}
+        if failed:
+            raise RuntimeError(f"deploy failed: {failed}")
+        time.sleep(0.5)
+    raise TimeoutError(f"applications not running after {timeout_s}s: {states}")
+
+
+@pytest.fixture(scope="session")
+def tiny_app(tiny_bert_embedding_dir, tiny_bert_classifier_dir, tiny_llama_dir, tiny_vit_dir):
+    """The tiny-model application config (served at /), as a deployments file holds it."""
+    return {
+        "name": "tiny",
+        "route_prefix": "/",
+        "import_path": "serve_app.app:build_app",
+        "args": tiny_app_args(tiny_bert_embedding_dir, tiny_bert_classifier_dir, tiny_llama_dir, tiny_vit_dir),
+    }
+
+
+@pytest.fixture(scope="session")
+def deployed(serve_instance, tiny_app):
+    """Both applications running: tiny fixture models at /, local.yaml's packaged models at /local."""
+    deploy_config([tiny_app, local_app_config()])
+    return serve_instance
+
+
+@pytest.fixture()
+def redeploy(deployed, tiny_app):
+    """Re-apply the session's config with per-deployment overrides for the tiny app;
+    restores the original config afterwards."""
+
+    def apply(deployment_overrides: list[dict]) -> None:
+        deploy_config([{**tiny_app, "deployments": deployment_overrides}, local_app_config()])
+
+    yield apply
+    deploy_config([tiny_app, local_app_config()])
+
+
+@pytest.fixture(scope="session")
+def tiny_service(deployed):
+    return deployed
+
+
+@pytest.fixture()
+def client(tiny_service):
+    with httpx.Client(base_url=tiny_service, timeout=60) as http:
+        yield http
