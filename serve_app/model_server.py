@@ -1,7 +1,9 @@
 """ModelServer: one Ray Serve deployment per configured model.
 
 It only adapts requests to the model code: each input of a request becomes one row in
-a ``@serve.batch`` queue; a queue batch is cut by ``core.batching`` into length-sorted
+a ``@serve.batch`` queue (the admission window: wait timeout, row and token caps). The
+admitted rows run when the model is free, merged with any others waiting
+(``core.executor``); each model batch is cut by ``core.batching`` into length-sorted
 sub-batches, each padded only to its own longest row and run by ``core.runtime``; the
 results go back to their callers in arrival order. A row whose sub-batch fails gets
 its exception back alone, so one bad item never fails the others.
@@ -21,8 +23,9 @@ import torch
 from ray import serve
 
 from serve_app.config import BatchingConfig, ModelConfig
-from serve_app.core.batching import plan_batches, scatter
+from serve_app.core.batching import arrival_order_plan, plan_batches, scatter
 from serve_app.core.errors import ContextLengthExceededError, InvalidRequestError
+from serve_app.core.executor import Budget, ModelPacedExecutor
 from serve_app.core.runtime import (
     EmbeddingRuntime,
     GenerationRequest,
@@ -123,6 +126,11 @@ class ModelServer:
             torch.get_num_threads(),
         )
         self.stats = _BatchStats()
+        self.executor = ModelPacedExecutor(
+            self._run_batch,
+            budget=lambda: Budget(max_rows=self.batching.max_batch_size, max_tokens=self.batching.max_batch_tokens),
+            row_tokens=lambda row: row.tokens,
+        )
         self._apply_batching(self.config.batching)
 
     # ---- configuration --------------------------------------------------------
@@ -140,8 +148,8 @@ class ModelServer:
 
     def _apply_batching(self, batching: BatchingConfig) -> None:
         self.batching = batching
-        self._run_queued.set_max_batch_size(batching.max_batch_size)
-        self._run_queued.set_batch_wait_timeout_s(batching.batch_wait_timeout_s)
+        self._admit.set_max_batch_size(batching.max_batch_size)
+        self._admit.set_batch_wait_timeout_s(batching.batch_wait_timeout_s)
 
     # ---- the batch queue --------------------------------------------------------
 
@@ -156,10 +164,12 @@ class ModelServer:
         )
 
     @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.01, batch_size_fn=_batch_cost)
-    async def _run_queued(self, rows: list[_Row]) -> list[Any]:
-        # The model runs in a worker thread so this replica's event loop keeps
-        # accepting requests (and forming the next batch) while it computes.
-        return await asyncio.to_thread(self._run_batch, rows)
+    async def _admit(self, rows: list[_Row]) -> list[asyncio.Future]:
+        # Admission only: Serve's queue gathers rows for batch_wait_timeout_s and caps
+        # them by rows and tokens; the executor then runs them when the model is free,
+        # merged with any other admitted rows still waiting (see core/executor.py).
+        # Returning at once lets Serve admit the next batch while the model runs.
+        return self.executor.submit(rows)
 
     def _run_batch(self, rows: list[_Row]) -> list[Any]:
         now = time.monotonic()
@@ -175,12 +185,7 @@ class ModelServer:
             groups.setdefault(row.group, []).append(index)
         for group, indices in groups.items():
             group_rows = [rows[i] for i in indices]
-            plan = plan_batches(
-                [row.tokens for row in group_rows],
-                max_batch_tokens=self.batching.max_batch_tokens,
-                max_rows=self.batching.max_batch_size,
-                sub_batch_overhead_tokens=self.batching.sub_batch_overhead_tokens,
-            )
+            plan = self._plan([row.tokens for row in group_rows])
             outputs = []
             for sub_batch in plan.sub_batches:
                 payloads = [group_rows[i].payload for i in sub_batch.indices]
@@ -201,6 +206,17 @@ class ModelServer:
                 results[i] = output
         return results
 
+    def _plan(self, lengths: list[int]):
+        batching = self.batching
+        if not batching.length_sorting:
+            return arrival_order_plan(lengths, max_batch_tokens=batching.max_batch_tokens, max_rows=batching.max_batch_size)
+        return plan_batches(
+            lengths,
+            max_batch_tokens=batching.max_batch_tokens,
+            max_rows=batching.max_batch_size,
+            sub_batch_overhead_tokens=batching.sub_batch_overhead_tokens,
+        )
+
     def _call_model(self, payloads: list[Any], group: Any) -> list[Any]:
         runtime = self.runtime
         if isinstance(runtime, EmbeddingRuntime):
@@ -215,9 +231,11 @@ class ModelServer:
 
     async def _submit(self, rows: list[_Row]) -> list[Any]:
         self.stats.requests += 1
-        results = await asyncio.gather(*(self._run_queued(row) for row in rows))
+        futures = await asyncio.gather(*(self._admit(row) for row in rows))
+        # A cancelled caller cancels these futures; the executor then skips its rows.
+        results = await asyncio.gather(*futures, return_exceptions=True)
         for result in results:
-            if isinstance(result, Exception):
+            if isinstance(result, BaseException):
                 raise result
         return results
 
