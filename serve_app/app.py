@@ -41,14 +41,18 @@ def _model_deployment(model: ModelConfig) -> Application:
     ).bind(model.model_dump())
 
 
-def build_app_from_config(config: AppConfig) -> Application:
-    handles = {model.name: _model_deployment(model) for model in config.models}
+def router_app(config: AppConfig, model_apps: dict[str, Application]) -> Application:
+    """The Router bound to one (bound) deployment per model name."""
     return Router.options(
         name="Router",
         num_replicas=config.router.num_replicas,
         max_ongoing_requests=config.router.max_ongoing_requests,
         ray_actor_options={"num_cpus": config.router.num_cpus},
-    ).bind(config.model_dump(), handles)
+    ).bind(config.model_dump(), model_apps)
+
+
+def build_app_from_config(config: AppConfig) -> Application:
+    return router_app(config, {model.name: _model_deployment(model) for model in config.models})
 
 
 def build_app(args: dict) -> Application:

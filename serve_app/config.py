@@ -45,6 +45,11 @@ class BatchingConfig(_Section):
         description="Fixed cost of one model call, in padded tokens, used when splitting a batch into "
         "length-sorted sub-batches: higher makes fewer, more padded calls. Larger on GPUs.",
     )
+    length_sorting: bool = Field(
+        True,
+        description="Sort each batch by length into sub-batches padded to their own longest row. "
+        "false pads rows in arrival order (the plain recipe; kept for benchmarks and comparison).",
+    )
 
 
 class ResourcesConfig(_Section):

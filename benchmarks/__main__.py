@@ -1,0 +1,71 @@
+"""python -m benchmarks run --scenario NAME [--quick] [--config deployments/local.yaml]"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run scenarios and write results.json, results.md and plots")
+    run.add_argument("--scenario", default="all", help="a scenario name, a comma-separated list, or 'all'")
+    run.add_argument("--quick", action="store_true", help="fewer requests per point (all scenarios in ~10 min on 2 cores)")
+    run.add_argument("--config", default="deployments/local.yaml", help="deployments file whose models are benchmarked")
+    run.add_argument("--precision", choices=["fp32", "bf16", "fp16"], help="override the models' precision")
+    run.add_argument("--torch-threads", type=int, default=1, help="torch threads per model replica (and for the in-process ceiling)")
+    run.add_argument("--gen-torch-threads", type=int, default=os.cpu_count() or 1,
+                     help="torch threads for the generation scenario's replicas (default: all cores)")
+    run.add_argument("--address", help="join a running Ray cluster (e.g. 'auto') instead of starting one")
+    run.add_argument("--out", default="benchmark-results", help="output folder")
+    run.add_argument("--no-progress", action="store_true")
+    sub.add_parser("list", help="list the scenarios")
+    args = parser.parse_args(argv)
+
+    from benchmarks.scenarios import SCENARIOS, Context
+
+    if args.command == "list":
+        for name, fn in SCENARIOS.items():
+            print(f"{name:12s} {(fn.__doc__ or '').strip().splitlines()[0]}")
+        return 0
+
+    names = list(SCENARIOS) if args.scenario == "all" else [s.strip() for s in args.scenario.split(",")]
+    unknown = [n for n in names if n not in SCENARIOS]
+    if unknown:
+        parser.error(f"unknown scenario(s) {unknown}; choose from {', '.join(SCENARIOS)}")
+
+    from benchmarks import report
+    from benchmarks.machine import machine_info
+    from benchmarks.service import BenchCluster, load_models
+
+    command = "python -m benchmarks " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    cluster = BenchCluster(args.address)
+    results = []
+    started = time.perf_counter()
+    try:
+        ctx = Context(cluster=cluster, models=load_models(args.config), quick=args.quick, precision=args.precision,
+                      torch_threads=args.torch_threads, gen_torch_threads=args.gen_torch_threads, progress=not args.no_progress)
+        for name in names:
+            t0 = time.perf_counter()
+            print(f"== {name}", flush=True)
+            res = SCENARIOS[name](ctx)
+            results.append(dataclasses.asdict(res))
+            for check in res.checks:
+                print(f"   {check['claim']}: {check['value']} (target {check['target']}) {'met' if check['met'] else 'MISSED'}")
+            print(f"   {name} took {time.perf_counter() - t0:.0f}s", flush=True)
+            # Write after every scenario so a long run keeps what it measured.
+            files = report.write(results, machine_info(args.torch_threads), command, Path(args.out))
+    finally:
+        cluster.close()
+    print(f"wrote {', '.join(str(p) for p in files.values())} in {time.perf_counter() - started:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

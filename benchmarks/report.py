@@ -1,0 +1,87 @@
+"""results.json, a markdown table and PNG plots for a benchmark run."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+from benchmarks.machine import machine_line
+
+_COLUMNS = ["variant", "concurrency", "requests", "errors", "throughput_rps", "p50_ms", "p95_ms", "p99_ms"]
+_EXTRA = ["padding_efficiency", "model_calls_per_batch", "tokens_per_s"]
+
+
+def _cell(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.3g}" if abs(value) < 10 else f"{value:.1f}"
+    return str(value)
+
+
+def markdown(results: list[dict], machine: dict, command: str) -> str:
+    lines = [f"Measured on {machine_line(machine)}.", "", f"Command: `{command}`", ""]
+    for res in results:
+        lines += [f"### {res['name']}", "", res["description"].strip(), ""]
+        extra = [c for c in _EXTRA if any(c in row for row in res["runs"])]
+        columns = _COLUMNS + extra
+        lines.append("| " + " | ".join(columns) + " |")
+        lines.append("|" + "---|" * len(columns))
+        for row in res["runs"]:
+            lines.append("| " + " | ".join(_cell(row.get(c)) for c in columns) + " |")
+        lines.append("")
+        if res["derived"]:
+            lines.append("Derived: " + ", ".join(f"{k} = {_cell(v)}" for k, v in res["derived"].items()))
+            lines.append("")
+        for check in res["checks"]:
+            mark = "met" if check["met"] else "**missed**"
+            lines.append(f"- {check['claim']}: {_cell(check['value'])} (target {check['target']}): {mark}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plots(results: list[dict], out_dir: Path) -> list[Path]:
+    """Throughput and latency percentiles against concurrency, per scenario with a sweep."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    for res in results:
+        series: dict[str, list[dict]] = defaultdict(list)
+        for row in res["runs"]:
+            if row.get("concurrency") is not None:
+                series[row["variant"]].append(row)
+        if not any(len(rows) > 1 for rows in series.values()):
+            continue
+        fig, (ax_tput, ax_lat) = plt.subplots(1, 2, figsize=(11, 4))
+        for name, rows in series.items():
+            rows = sorted(rows, key=lambda r: r["concurrency"])
+            xs = [r["concurrency"] for r in rows]
+            ax_tput.plot(xs, [r["throughput_rps"] for r in rows], marker="o", label=name)
+            for q, style in (("p50_ms", "-"), ("p95_ms", "--"), ("p99_ms", ":")):
+                ax_lat.plot(xs, [r[q] for r in rows], style, marker="o", label=f"{name} {q[:-3]}")
+        ax_tput.set(title=f"{res['name']}: throughput", xlabel="concurrency", ylabel="requests/s")
+        ax_lat.set(title=f"{res['name']}: latency", xlabel="concurrency", ylabel="ms", yscale="log")
+        for ax in (ax_tput, ax_lat):
+            ax.set_xscale("log", base=2)
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = out_dir / f"{res['name']}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def write(results: list[dict], machine: dict, command: str, out_dir: Path) -> dict[str, Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "results.json").write_text(json.dumps({"machine": machine, "command": command, "scenarios": results}, indent=2))
+    (out_dir / "results.md").write_text(markdown(results, machine, command))
+    files = {"json": out_dir / "results.json", "markdown": out_dir / "results.md"}
+    for path in plots(results, out_dir):
+        files[path.stem] = path
+    return files
