@@ -23,6 +23,8 @@ import pytest  # noqa: E402
 
 import tiny_models  # noqa: E402
 
+pytest_plugins = ["redis_fixture"]
+
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: loads a real packaged model (tens of seconds)")
