@@ -11,6 +11,7 @@ from typing import Any
 
 from ray.serve import Application
 
+from serve_app.cache_server import CacheServer
 from serve_app.config import AppConfig, ModelConfig, parse_app_config
 from serve_app.model_server import ModelServer
 from serve_app.router import Router
@@ -41,18 +42,30 @@ def _model_deployment(model: ModelConfig) -> Application:
     ).bind(model.model_dump())
 
 
-def router_app(config: AppConfig, model_apps: dict[str, Application]) -> Application:
-    """The Router bound to one (bound) deployment per model name."""
+def _cache_deployment(config: AppConfig) -> Application | None:
+    if not config.cache.enabled:
+        return None
+    return CacheServer.options(
+        name="CacheServer",
+        num_replicas=config.cache.num_replicas,
+        max_ongoing_requests=4096,  # each call is a dictionary or Redis lookup
+        ray_actor_options={"num_cpus": config.cache.num_cpus},
+    ).bind(config.cache.model_dump())
+
+
+def router_app(config: AppConfig, model_apps: dict[str, Application], cache_app: Application | None = None) -> Application:
+    """The Router bound to one (bound) deployment per model name, and the cache."""
     return Router.options(
         name="Router",
         num_replicas=config.router.num_replicas,
         max_ongoing_requests=config.router.max_ongoing_requests,
         ray_actor_options={"num_cpus": config.router.num_cpus},
-    ).bind(config.model_dump(), model_apps)
+    ).bind(config.model_dump(), model_apps, cache_app)
 
 
 def build_app_from_config(config: AppConfig) -> Application:
-    return router_app(config, {model.name: _model_deployment(model) for model in config.models})
+    models = {model.name: _model_deployment(model) for model in config.models}
+    return router_app(config, models, _cache_deployment(config))
 
 
 def build_app(args: dict) -> Application:

@@ -91,6 +91,80 @@ class GenerationConfig(_Section):
         return self
 
 
+class SemanticCacheConfig(_Section):
+    """Reuse the answer of an earlier, very similar request (opt-in per model)."""
+
+    embedding_model: str = Field(
+        description="Name of an embedding model in `models` that embeds the canonical prompt."
+    )
+    threshold: float = Field(
+        0.95,
+        ge=0.5,
+        le=1.0,
+        description="Cosine similarity at or above which a stored answer is reused. "
+        "Conservative by default: paraphrases pass, questions that differ in one word rarely do.",
+    )
+
+
+class ModelCacheConfig(_Section):
+    """How one model's answers are cached."""
+
+    enabled: bool = Field(True, description="Cache this model's deterministic answers.")
+    ttl_s: Optional[float] = Field(None, gt=0, description="Entry lifetime in seconds; default: cache.ttl_s.")
+    revision: Optional[str] = Field(
+        None,
+        description="Revision used in cache keys; default: a hash of the loaded weights and config. "
+        "Change it to invalidate every entry of this model at once.",
+    )
+    semantic: Optional[SemanticCacheConfig] = Field(
+        None, description="Semantic (similar-request) cache; text-generation models only."
+    )
+
+
+class CacheConfig(_Section):
+    """The CacheServer deployment and its store."""
+
+    enabled: bool = Field(True, description="Deploy the CacheServer and ask it before model calls.")
+    store: Literal["memory", "redis"] = Field(
+        "memory", description="memory: in the CacheServer process (one replica); redis: shared by every replica."
+    )
+    ttl_s: float = Field(3600.0, gt=0, description="Default entry lifetime in seconds; every entry has one.")
+    max_bytes: int = Field(
+        256 * 2**20, ge=1024, description="Memory store budget in bytes (keys + values); least recently used go first."
+    )
+    redis_url: str = Field(
+        "redis://127.0.0.1:6379/0", description="Redis address when the environment variable named by redis_url_env is unset."
+    )
+    redis_url_env: str = Field("SERVE_APP_REDIS_URL", description="Environment variable holding the Redis URL.")
+    redis_password_env: str = Field(
+        "SERVE_APP_REDIS_PASSWORD", description="Environment variable holding the Redis password (never put it in YAML)."
+    )
+    key_prefix: str = Field("serve_app:", description="Prefix of every Redis key, so deployments can share a server.")
+    store_timeout_s: float = Field(
+        0.05, gt=0, description="A store call slower than this counts as a miss (degrade, never fail)."
+    )
+    call_timeout_s: float = Field(
+        0.25, gt=0, description="The router's limit on one call to the CacheServer; past it, a miss."
+    )
+    revision_refresh_s: float = Field(
+        30.0, gt=0, description="How often the router re-reads each model's revision for its keys."
+    )
+    semantic_max_entries: int = Field(
+        10_000, ge=1, description="Most vectors per (model, revision, params) in the semantic index; oldest go first."
+    )
+    num_replicas: int = Field(1, ge=1, description="CacheServer replicas; more than one needs store: redis to share entries.")
+    num_cpus: float = Field(0.1, gt=0, description="CPUs reserved per CacheServer replica.")
+
+    @model_validator(mode="after")
+    def _replicas_share_entries(self) -> "CacheConfig":
+        if self.num_replicas > 1 and self.store == "memory":
+            raise ValueError(
+                f"cache.num_replicas is {self.num_replicas} with store: memory, so replicas would not share "
+                "entries; use store: redis or one replica"
+            )
+        return self
+
+
 class ModelConfig(_Section):
     """One served model: one ModelServer deployment."""
 
@@ -125,6 +199,7 @@ class ModelConfig(_Section):
     generation: GenerationConfig = Field(
         default_factory=GenerationConfig, description="Generation limits (text-generation only)."
     )
+    cache: ModelCacheConfig = Field(default_factory=ModelCacheConfig, description="How this model's answers are cached.")
 
     @field_validator("name")
     @classmethod
@@ -189,6 +264,7 @@ class AppConfig(_Section):
 
     models: list[ModelConfig] = Field(min_length=1, description="The models to serve; names must be unique.")
     router: RouterConfig = Field(default_factory=RouterConfig, description="HTTP ingress settings.")
+    cache: CacheConfig = Field(default_factory=CacheConfig, description="The response cache deployment.")
 
     @model_validator(mode="after")
     def _unique_names(self) -> "AppConfig":
@@ -197,6 +273,25 @@ class AppConfig(_Section):
             if model.name in seen:
                 raise ValueError(f"model name {model.name!r} appears twice in models; names must be unique")
             seen.add(model.name)
+        return self
+
+    @model_validator(mode="after")
+    def _semantic_cache_models_exist(self) -> "AppConfig":
+        tasks = {m.name: m.task for m in self.models}
+        for model in self.models:
+            semantic = model.cache.semantic
+            if semantic is None:
+                continue
+            if model.task != "text-generation":
+                raise ValueError(
+                    f"model {model.name!r}: cache.semantic is for text-generation models, not {model.task}; remove it"
+                )
+            if tasks.get(semantic.embedding_model) != "embedding":
+                embedders = ", ".join(n for n, t in tasks.items() if t == "embedding") or "none configured"
+                raise ValueError(
+                    f"model {model.name!r}: cache.semantic.embedding_model {semantic.embedding_model!r} is not an "
+                    f"embedding model in models (embedding models: {embedders})"
+                )
         return self
 
     def model(self, name: str) -> ModelConfig:
@@ -260,6 +355,9 @@ def reference_markdown() -> str:
         ("args.models[].batching", BatchingConfig),
         ("args.models[].resources", ResourcesConfig),
         ("args.models[].generation", GenerationConfig),
+        ("args.models[].cache", ModelCacheConfig),
+        ("args.models[].cache.semantic", SemanticCacheConfig),
+        ("args.cache", CacheConfig),
     ]
     out = []
     for title, model in sections:
@@ -277,5 +375,24 @@ def reference_markdown() -> str:
     return "\n".join(out)
 
 
+_README_START, _README_END = "<!-- config-reference:start -->\n", "\n<!-- config-reference:end -->"
+
+
+def write_readme_reference(path: str) -> None:
+    """Replace the config reference between README's markers with the current one."""
+    from pathlib import Path
+
+    readme = Path(path)
+    text = readme.read_text()
+    start = text.index(_README_START) + len(_README_START)
+    end = text.index(_README_END)
+    readme.write_text(text[:start] + reference_markdown().rstrip() + text[end:])
+
+
 if __name__ == "__main__":
-    print(reference_markdown())
+    import sys
+
+    if sys.argv[1:2] == ["--write-readme"]:
+        write_readme_reference(sys.argv[2] if len(sys.argv) > 2 else "README.md")
+    else:
+        print(reference_markdown())

@@ -15,10 +15,11 @@ import binascii
 import logging
 import time
 import uuid
-from typing import Any, Literal, Optional, Union
+from collections import Counter
+from typing import Any, Awaitable, Callable, Literal, Optional, Union
 
 import numpy as np
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -26,6 +27,14 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from serve_app.config import AppConfig, ModelConfig
+from serve_app.core.cache import (
+    SingleFlight,
+    cache_key,
+    decode_value,
+    encode_value,
+    is_cacheable,
+    semantic_namespace,
+)
 from serve_app.core.errors import (
     DeadlineExceededError,
     InvalidRequestError,
@@ -215,11 +224,28 @@ async def _on_unexpected_error(request: Request, exc: Exception):
 @serve.deployment
 @serve.ingress(api)
 class Router:
-    def __init__(self, app_config: dict, model_handles: dict[str, DeploymentHandle]):
+    def __init__(
+        self,
+        app_config: dict,
+        model_handles: dict[str, DeploymentHandle],
+        cache_handle: Optional[DeploymentHandle] = None,
+    ):
         self.config = AppConfig.model_validate(app_config)
         self.models: dict[str, ModelConfig] = {m.name: m for m in self.config.models}
         self.handles = model_handles
+        self.cache = cache_handle if self.config.cache.enabled else None
         self.created = int(time.time())
+        # Identical requests in flight at once share one model call (per router replica).
+        self.flights = SingleFlight()
+        # Fresh answers, kept from the end of their model call until shortly after their
+        # write-back: a request whose cache lookup raced the write is served from here
+        # instead of costing a second model call.
+        self._recent: dict[str, Any] = {}
+        self._background: set[asyncio.Task] = set()
+        self._revisions: dict[str, tuple[str, float]] = {}
+        self.cache_outcomes: Counter = Counter()
+        self._cache_errors = 0
+        self._cache_error_logged_at = 0.0
 
     def _model(self, name: str, task: str, endpoint: str) -> ModelConfig:
         model = self.models.get(name)
@@ -249,6 +275,115 @@ class Router:
                 raise original from None
             raise
 
+    # ---- caching ----------------------------------------------------------------------
+
+    async def _cache_call(self, method: str, *args, timeout_s: Optional[float] = None) -> Any:
+        """A CacheServer call that can only miss: errors and slowness return None."""
+        if self.cache is None:
+            return None
+        try:
+            call = getattr(self.cache, method).remote(*args)
+            return await asyncio.wait_for(call, timeout=timeout_s or self.config.cache.call_timeout_s)
+        except Exception as exc:  # degrade, never fail: the model still answers
+            self._cache_errors += 1
+            now = time.monotonic()
+            if now - self._cache_error_logged_at > 30:
+                logger.warning("cache %s failed (%d errors so far), serving without it: %r", method, self._cache_errors, exc)
+                self._cache_error_logged_at = now
+            return None
+
+    async def _revision(self, model: ModelConfig) -> str:
+        """The model's revision for cache keys, re-read every revision_refresh_s, so a
+        newly loaded revision makes the old entries unreachable."""
+        if model.cache.revision:
+            return model.cache.revision
+        known = self._revisions.get(model.name)
+        now = time.monotonic()
+        if known and now - known[1] < self.config.cache.revision_refresh_s:
+            return known[0]
+        try:
+            revision = (await self._call(model, "info"))["revision"]
+        except Exception:
+            if known:  # keep serving with the last known revision
+                return known[0]
+            raise
+        self._revisions[model.name] = (revision, now)
+        return revision
+
+    async def _embed_for_cache(self, model_name: str, text: str) -> Optional[list[float]]:
+        try:
+            out = await self._call(self.models[model_name], "embed", [text])
+            return out["embeddings"][0]
+        except Exception as exc:  # the semantic cache is best effort
+            logger.warning("semantic cache: embedding with %s failed: %r", model_name, exc)
+            return None
+
+    def _write_back(self, key: str, output: Any, ttl_s: Optional[float], namespace: Optional[str], vector) -> None:
+        """Store a fresh answer without making the client wait for the write."""
+        self._recent[key] = output
+
+        async def write() -> None:
+            try:
+                await self._cache_call("set", key, encode_value(output), ttl_s)
+                if namespace is not None and vector is not None:
+                    await self._cache_call("semantic_add", namespace, vector, key)
+                # A lookup sent before the write landed may still come back empty.
+                await asyncio.sleep(self.config.cache.call_timeout_s)
+            finally:
+                self._recent.pop(key, None)
+
+        task = asyncio.create_task(write())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _answer(
+        self,
+        model: ModelConfig,
+        payload: Any,
+        params: dict,
+        compute: Callable[[], Awaitable[Any]],
+        response: Response,
+        *,
+        semantic_text: Optional[str] = None,
+    ) -> Any:
+        """The model's output for a request: from the cache when possible, else from one
+        (possibly shared) model call. Sets the ``x-cache`` header."""
+        outcome, output = await self._lookup_or_compute(model, payload, params, compute, semantic_text)
+        self.cache_outcomes[(model.name, outcome)] += 1
+        response.headers["x-cache"] = "miss" if outcome in ("bypass", "coalesced") else outcome
+        return output
+
+    async def _lookup_or_compute(self, model, payload, params, compute, semantic_text) -> tuple[str, Any]:
+        if self.cache is None or not model.cache.enabled or not is_cacheable(model.task, params):
+            return "bypass", await compute()
+        revision = await self._revision(model)
+        key = cache_key(model=model.name, revision=revision, task=model.task, payload=payload, params=params)
+        if key in self._recent:
+            return "hit", self._recent[key]
+        stored = await self._cache_call("get", key)
+        if stored is not None:
+            return "hit", decode_value(stored)
+        if key in self._recent:  # answered while our lookup was on its way
+            return "hit", self._recent[key]
+        namespace = vector = None
+        semantic = model.cache.semantic
+        if semantic is not None and semantic_text:
+            namespace = semantic_namespace(model=model.name, revision=revision, task=model.task, params=params)
+            vector = await self._embed_for_cache(semantic.embedding_model, semantic_text)
+            if vector is not None:
+                found = await self._cache_call("semantic_get", namespace, vector, semantic.threshold)
+                if found is not None:
+                    return "semantic", decode_value(found[2])
+        async def compute_and_store() -> Any:
+            output = await compute()
+            # Inside the flight, so that from the moment the flight ends the answer is
+            # already in _recent: no gap in which a late duplicate calls the model again.
+            self._write_back(key, output, model.cache.ttl_s, namespace, vector)
+            return output
+
+        output, shared = await self.flights.run(key, compute_and_store)
+        return ("coalesced" if shared else "miss"), output
+
     # ---- endpoints ---------------------------------------------------------------
 
     @api.get("/healthz")
@@ -267,18 +402,41 @@ class Router:
 
     @api.get("/v1/stats")
     async def stats(self) -> dict:
-        """Batching counters per model, as seen by the replica that answers."""
+        """Batching counters per model (from the replica that answers) and cache counters."""
         names = list(self.models)
         snapshots = await asyncio.gather(*(self._call(self.models[n], "get_stats") for n in names))
-        return {"models": dict(zip(names, snapshots))}
+        outcomes: dict[str, dict[str, int]] = {}
+        for (name, outcome), count in self.cache_outcomes.items():
+            outcomes.setdefault(name, {})[outcome] = count
+        cache = await self._cache_call("stats", timeout_s=5) if self.cache is not None else None
+        return {
+            "models": dict(zip(names, snapshots)),
+            "cache": {**(cache or {}), "router_outcomes": outcomes, "router_cache_errors": self._cache_errors,
+                      "coalesced": self.flights.coalesced},
+        }
+
+    @api.delete("/v1/cache/{model_name}")
+    async def drop_cache(self, model_name: str) -> dict:
+        """Drop every cached answer of one model (all revisions)."""
+        if model_name not in self.models:
+            raise ModelNotFoundError(f"model {model_name!r} does not exist", param="model_name")
+        if self.cache is None:
+            raise InvalidRequestError("the cache is disabled in this deployment", code="cache_disabled")
+        # Model names cannot hold ':' (config), so this prefix is exactly the model's keys.
+        for key in [k for k in self._recent if k.startswith(f"{model_name}:")]:
+            del self._recent[key]
+        dropped = await self._cache_call("drop_model", model_name, timeout_s=60)
+        if dropped is None:
+            raise ServeAppError("the cache store did not answer; try again", code="cache_unavailable")
+        return dropped
 
     @api.post("/v1/embeddings")
-    async def embeddings(self, body: EmbeddingBody) -> dict:
+    async def embeddings(self, body: EmbeddingBody, response: Response) -> dict:
         model = self._model(body.model, "embedding", "/v1/embeddings")
         if body.dimensions is not None:
             raise InvalidRequestError("'dimensions' is not supported; omit it for the model's full size", param="dimensions")
         texts = _as_list(body.input, "input", model.max_inputs_per_request)
-        out = await self._call(model, "embed", texts)
+        out = await self._answer(model, texts, {}, lambda: self._call(model, "embed", texts), response)
         data = []
         for index, vector in enumerate(out["embeddings"]):
             if body.encoding_format == "base64":
@@ -318,13 +476,20 @@ class Router:
         }
 
     @api.post("/v1/completions")
-    async def completions(self, body: CompletionBody) -> dict:
+    async def completions(self, body: CompletionBody, response: Response) -> dict:
         model = self._model(body.model, "text-generation", "/v1/completions")
         if body.echo:
             raise InvalidRequestError("echo is not supported", param="echo")
         prompts = _as_list(body.prompt, "prompt", model.max_inputs_per_request)
         sampling = self._sampling_args(body, model, body.max_tokens)
-        results = await self._call(model, "generate", prompts=prompts, **sampling)
+        results = await self._answer(
+            model,
+            prompts,
+            sampling,
+            lambda: self._call(model, "generate", prompts=prompts, **sampling),
+            response,
+            semantic_text=prompts[0] if len(prompts) == 1 else None,
+        )
         choices = [
             {"index": i, "text": r["text"], "logprobs": None, "finish_reason": r["finish_reason"]}
             for i, r in enumerate(results)
@@ -339,7 +504,7 @@ class Router:
         }
 
     @api.post("/v1/chat/completions")
-    async def chat_completions(self, body: ChatCompletionBody) -> dict:
+    async def chat_completions(self, body: ChatCompletionBody, response: Response) -> dict:
         model = self._model(body.model, "text-generation", "/v1/chat/completions")
         if not body.messages:
             raise InvalidRequestError("'messages' must not be empty", param="messages")
@@ -347,7 +512,14 @@ class Router:
             {"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages
         ]
         sampling = self._sampling_args(body, model, body.max_completion_tokens or body.max_tokens)
-        (result,) = await self._call(model, "generate", messages=messages, **sampling)
+        (result,) = await self._answer(
+            model,
+            messages,
+            sampling,
+            lambda: self._call(model, "generate", messages=messages, **sampling),
+            response,
+            semantic_text="\n".join(f"{m['role']}: {m['content']}" for m in messages),
+        )
         return {
             "id": f"chatcmpl-{uuid.uuid4().hex}",
             "object": "chat.completion",
@@ -365,7 +537,7 @@ class Router:
         }
 
     @api.post("/v1/classify")
-    async def classify(self, body: ClassifyBody) -> dict:
+    async def classify(self, body: ClassifyBody, response: Response) -> dict:
         if (body.input is None) == (body.image is None):
             raise InvalidRequestError("send exactly one of 'input' (text) or 'image' (base64)", param="input")
         if body.input is not None:
@@ -379,7 +551,10 @@ class Router:
             call = ("classify_images", [_decode_image(e, param(i)) for i, e in enumerate(encoded)])
         if body.top_k > model.top_k_limit:
             raise InvalidRequestError(f"top_k is {body.top_k}; at most {model.top_k_limit} allowed", param="top_k")
-        out = await self._call(model, call[0], call[1], body.top_k)
+        method, inputs = call
+        out = await self._answer(
+            model, inputs, {"top_k": body.top_k}, lambda: self._call(model, method, inputs, body.top_k), response
+        )
         data = [
             {"index": i, "labels": [{"label": label, "score": score} for label, score in ranked]}
             for i, ranked in enumerate(out["results"])

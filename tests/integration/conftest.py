@@ -134,6 +134,17 @@ def redeploy(deployed, tiny_app):
     deploy_config([tiny_app, local_app_config()])
 
 
+@pytest.fixture()
+def redeploy_apps(deployed, tiny_app):
+    """Deploy extra applications beside the session's two; removed afterwards."""
+
+    def apply(extra_apps: list[dict]) -> None:
+        deploy_config([tiny_app, local_app_config(), *extra_apps])
+
+    yield apply
+    deploy_config([tiny_app, local_app_config()])
+
+
 @pytest.fixture(scope="session")
 def tiny_service(deployed):
     return deployed

@@ -93,5 +93,5 @@ def test_readme_config_reference_is_current():
     start, end = "<!-- config-reference:start -->\n", "\n<!-- config-reference:end -->"
     current = readme[readme.index(start) + len(start) : readme.index(end)]
     assert current.strip() == reference_markdown().strip(), (
-        "README's config reference is stale: paste the output of `python -m serve_app.config`"
+        "README's config reference is stale: run `python -m serve_app.config --write-readme`"
     )

@@ -1,0 +1,98 @@
+"""CacheServer: the response cache as a deployment of its own.
+
+The router asks it before any model call and writes answers back after a miss. It
+holds the store (in-process memory by default, Redis for a cluster) behind a
+ResilientStore, so a slow or dead store answers "miss" within a short timeout instead
+of failing requests, and the semantic index for models that opt in.
+
+Several CacheServer replicas share entries only through Redis; with the memory store
+each replica keeps its own entries (the router's calls spread over them, so the hit
+rate drops as replicas are added: use Redis when you need more than one). The
+semantic index is always per replica.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Optional, Sequence
+
+from ray import serve
+
+from serve_app.config import CacheConfig
+from serve_app.core.cache import MemoryStore, RedisStore, ResilientStore, SemanticIndex
+
+logger = logging.getLogger("ray.serve")
+
+
+def _store_from_config(config: CacheConfig):
+    if config.store == "memory":
+        return MemoryStore(max_bytes=config.max_bytes)
+    url = os.environ.get(config.redis_url_env) or config.redis_url
+    password = os.environ.get(config.redis_password_env) or None
+    return RedisStore(
+        url,
+        prefix=config.key_prefix,
+        password=password,
+        socket_timeout_s=config.store_timeout_s,
+        connect_timeout_s=config.store_timeout_s,
+    )
+
+
+@serve.deployment
+class CacheServer:
+    def __init__(self, cache_config: dict):
+        self.config = CacheConfig.model_validate(cache_config)
+        self.store = ResilientStore(_store_from_config(self.config), timeout_s=self.config.store_timeout_s)
+        self.semantic = SemanticIndex(max_entries_per_namespace=self.config.semantic_max_entries)
+        self.counts = {"gets": 0, "hits": 0, "sets": 0, "semantic_lookups": 0, "semantic_hits": 0}
+        logger.info("cache store: %s (ttl %ss)", self.config.store, self.config.ttl_s)
+
+    async def get(self, key: str) -> Optional[bytes]:
+        self.counts["gets"] += 1
+        value = await self.store.get(key)
+        if value is not None:
+            self.counts["hits"] += 1
+        return value
+
+    async def set(self, key: str, value: bytes, ttl_s: Optional[float] = None) -> None:
+        self.counts["sets"] += 1
+        await self.store.set(key, value, ttl_s if ttl_s is not None else self.config.ttl_s)
+
+    async def semantic_get(self, namespace: str, vector: Sequence[float], threshold: float) -> Optional[tuple[str, float, bytes]]:
+        """The stored answer of the most similar earlier request, if similar enough."""
+        self.counts["semantic_lookups"] += 1
+        found = self.semantic.lookup(namespace, vector, threshold=threshold)
+        if found is None:
+            return None
+        key, similarity = found
+        value = await self.store.get(key)
+        if value is None:  # the answer expired or was evicted: forget the vector too
+            self.semantic.discard(namespace, key)
+            return None
+        self.counts["semantic_hits"] += 1
+        return key, similarity, value
+
+    async def semantic_add(self, namespace: str, vector: Sequence[float], key: str) -> None:
+        self.semantic.add(namespace, vector, key)
+
+    async def drop_model(self, model: str) -> dict:
+        entries = await self.store.drop_model(model)
+        vectors = self.semantic.drop_prefix(model)
+        logger.info("cache: dropped %d entries and %d semantic vectors of model %s", entries, vectors, model)
+        return {"model": model, "entries": entries, "vectors": vectors}
+
+    async def stats(self) -> dict:
+        inner = self.store.inner
+        return {
+            "store": self.config.store,
+            **self.counts,
+            "store_errors": self.store.errors,
+            "store_skipped": self.store.skipped,
+            "store_healthy": self.store.healthy,
+            "evictions": getattr(inner, "evictions", None),
+            "expirations": getattr(inner, "expirations", None),
+            "entries": len(inner) if isinstance(inner, MemoryStore) else None,
+            "bytes": await self.store.size_bytes(),
+            "semantic_vectors": len(self.semantic),
+        }

@@ -1,0 +1,148 @@
+"""The cache deployment through the real HTTP proxy: exact and semantic hits,
+coalescing, invalidation, and a store that dies mid-traffic."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import socket
+import subprocess
+import time
+import uuid
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.integration
+
+
+def _embed(client, text, model="tiny-embed"):
+    return client.post("/v1/embeddings", json={"model": model, "input": text})
+
+
+def _rows(client, model="tiny-embed") -> int:
+    return client.get("/v1/stats").json()["models"][model]["rows"]
+
+
+def test_identical_and_normalized_requests_hit(client):
+    text = f"cache me {uuid.uuid4().hex}"
+    first = _embed(client, text)
+    assert first.headers["x-cache"] == "miss"
+    rows = _rows(client)
+    again = _embed(client, text)
+    spaced = _embed(client, "  " + text.replace(" ", "   \n") + " ")
+    assert again.headers["x-cache"] == "hit" and spaced.headers["x-cache"] == "hit"
+    assert again.json()["data"] == first.json()["data"] == spaced.json()["data"]
+    assert _rows(client) == rows, "a hit must not touch the model"
+
+
+def test_sampling_without_seed_is_never_cached(client):
+    body = {"model": "tiny-llama", "prompt": f"tell {uuid.uuid4().hex}", "max_tokens": 3, "temperature": 0.9}
+    assert [client.post("/v1/completions", json=body).headers["x-cache"] for _ in range(2)] == ["miss", "miss"]
+    seeded = {**body, "seed": 7}
+    assert [client.post("/v1/completions", json=seeded).headers["x-cache"] for _ in range(2)] == ["miss", "hit"]
+
+
+def test_chat_answers_are_cached_with_fresh_ids(client):
+    body = {"model": "tiny-llama", "messages": [{"role": "user", "content": f"hi {uuid.uuid4().hex}"}],
+            "max_tokens": 3, "temperature": 0}
+    first, second = (client.post("/v1/chat/completions", json=body) for _ in range(2))
+    assert (first.headers["x-cache"], second.headers["x-cache"]) == ("miss", "hit")
+    assert first.json()["choices"] == second.json()["choices"]
+    assert first.json()["id"] != second.json()["id"]
+
+
+def test_admin_drop_makes_entries_miss(client):
+    text = f"drop me {uuid.uuid4().hex}"
+    _embed(client, text)
+    assert _embed(client, text).headers["x-cache"] == "hit"
+    dropped = client.delete("/v1/cache/tiny-embed")
+    assert dropped.status_code == 200 and dropped.json()["entries"] >= 1
+    assert _embed(client, text).headers["x-cache"] == "miss"
+    assert client.delete("/v1/cache/no-such-model").status_code == 404
+
+
+def test_fifty_identical_concurrent_requests_cost_one_inference(client, tiny_service):
+    text = f"burst {uuid.uuid4().hex}"
+    rows = _rows(client)
+
+    async def burst():
+        async with httpx.AsyncClient(base_url=tiny_service, timeout=60) as http:
+            return await asyncio.gather(*(http.post("/v1/embeddings", json={"model": "tiny-embed", "input": text})
+                                          for _ in range(50)))
+
+    answers = asyncio.run(burst())
+    assert all(a.status_code == 200 for a in answers)
+    assert len({str(a.json()["data"]) for a in answers}) == 1
+    assert _rows(client) - rows == 1, "50 identical requests must cost exactly one model row"
+
+
+def test_semantic_paraphrase_hits_and_unrelated_misses(deployed):
+    question = {"role": "user", "content": "What's the capital of France?"}
+    body = {"model": "smollm2", "messages": [question], "max_tokens": 8, "temperature": 0}
+    with httpx.Client(base_url=f"{deployed}/local", timeout=120) as http:
+        http.delete("/v1/cache/smollm2")
+        first = http.post("/v1/chat/completions", json=body)
+        assert first.headers["x-cache"] == "miss"
+        paraphrase = {**body, "messages": [{"role": "user", "content": "What is the capital of France?"}]}
+        hit = http.post("/v1/chat/completions", json=paraphrase)
+        assert hit.headers["x-cache"] == "semantic"
+        assert hit.json()["choices"][0]["message"] == first.json()["choices"][0]["message"]
+        unrelated = {**body, "messages": [{"role": "user", "content": "What is the capital of Germany?"}]}
+        assert http.post("/v1/chat/completions", json=unrelated).headers["x-cache"] == "miss"
+        other_params = {**paraphrase, "max_tokens": 4}
+        assert http.post("/v1/chat/completions", json=other_params).headers["x-cache"] == "miss"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture()
+def private_redis():
+    """A redis-server of this test's own, so it can be killed mid-traffic."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("redis-server is not on PATH (apt-get install redis-server)")
+    port = _free_port()
+    process = subprocess.Popen([binary, "--port", str(port), "--save", "", "--appendonly", "no"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", port)) == 0:
+                break
+        time.sleep(0.05)
+    try:
+        yield process, f"redis://127.0.0.1:{port}/0"
+    finally:
+        process.kill()
+        process.wait()
+
+
+def test_redis_dying_mid_traffic_loses_no_request(deployed, tiny_app, private_redis, redeploy_apps):
+    process, url = private_redis
+    args = {**tiny_app["args"], "cache": {"store": "redis", "redis_url": url, "key_prefix": f"t-{uuid.uuid4().hex}:"}}
+    redis_app = {**tiny_app, "name": "redis", "route_prefix": "/redis", "args": args}
+    redeploy_apps([redis_app])
+    tag = uuid.uuid4().hex
+    texts = [f"redis {tag} {i % 10}" for i in range(60)]
+
+    async def traffic():
+        async with httpx.AsyncClient(base_url=f"{deployed}/redis", timeout=60) as http:
+            answers = []
+            for i, text in enumerate(texts):
+                if i == 30:
+                    process.kill()  # the store dies mid-traffic
+                answers.append(await http.post("/v1/embeddings", json={"model": "tiny-embed", "input": text}))
+            return answers
+
+    answers = asyncio.run(traffic())
+    assert [a.status_code for a in answers] == [200] * len(texts)
+    caches = [a.headers["x-cache"] for a in answers]
+    assert "hit" in caches[:30], "repeated texts hit while Redis lived"
+    assert set(caches[31:]) == {"miss"}, "with Redis gone every request is a miss, answered by the model"
+    stats = httpx.get(f"{deployed}/redis/v1/stats", timeout=30).json()
+    assert stats["cache"]["store_errors"] >= 1
