@@ -298,3 +298,75 @@ def generation(ctx: Context) -> ScenarioResult:
     result.derived.update(max_tokens=max_tokens, tokens_per_s_ratio=ratio)
     result.check("batched / unbatched generated tokens/s, 16 clients", ratio, 5.0)
     return result
+
+
+def _zipf_indices(count: int, distinct: int, s: float = 1.1, seed: int = 3) -> list[int]:
+    import random
+
+    rng = random.Random(seed)
+    weights = [1 / (rank**s) for rank in range(1, distinct + 1)]
+    return rng.choices(range(distinct), weights=weights, k=count)
+
+
+@scenario
+def cache(ctx: Context) -> ScenarioResult:
+    """The cache: p50 of a chat hit vs a miss over HTTP (sequential, greedy), against the
+    trivial-route round trip; and embeddings on a Zipf-distributed workload (s=1.1 over
+    200 distinct texts, 16 clients) with and without the cache."""
+    import statistics
+    import uuid
+
+    result = ScenarioResult("cache", cache.__doc__)
+    chat = variant(pick_model(ctx.models, "text-generation"), name="chat", precision=ctx.precision,
+                   torch_threads=ctx.torch_threads, num_cpus=1)
+    chat.pop("cache", None)  # exact cache only: semantic needs the embedding model here too
+    embed = _embedding_variant(ctx, "embed", max_batch_size=64)
+    urls = {
+        "cached": ctx.cluster.deploy_models("cached", [chat, embed]),
+        "uncached": ctx.cluster.deploy(
+            __import__("serve_app.app", fromlist=["build_app"]).build_app(
+                {"models": [embed], "router": {"num_cpus": 0.1}, "cache": {"enabled": False}}
+            ),
+            "uncached",
+        ),
+    }
+    base = urls["cached"]
+    trivial = _run(base, lambda i: ("/healthz", None), concurrency=1, requests=100, label="trivial", ctx=ctx, warmup=5)
+    result.add(trivial, "trivial route (GET /healthz)")
+
+    misses = []
+    with httpx.Client(base_url=base, timeout=300) as http:
+        for i in range(8 if ctx.quick else 24):
+            body = {"model": "chat", "max_tokens": 16, "temperature": 0,
+                    "messages": [{"role": "user", "content": f"{CHAT_PROMPTS[i % len(CHAT_PROMPTS)]} ({uuid.uuid4().hex[:6]})"}]}
+            started = time.perf_counter()
+            answer = http.post("/v1/chat/completions", json=body)
+            if answer.status_code != 200 or answer.headers.get("x-cache") != "miss":
+                raise RuntimeError(f"chat miss expected, got {answer.status_code} {answer.headers.get('x-cache')}")
+            misses.append((time.perf_counter() - started) * 1000)
+    miss_p50 = statistics.median(misses)
+    result.runs.append({"variant": "chat miss (unique prompts, sequential)", "concurrency": None,
+                        "requests": len(misses), "p50_ms": round(miss_p50, 2)})
+    # Hits: the last chat again and again, with the same client as the trivial route.
+    hit_run = _run(base, lambda i: ("/v1/chat/completions", body), concurrency=1, requests=100, label="chat hit", ctx=ctx)
+    result.add(hit_run, "chat hit (repeated prompt)")
+    hit_p50 = hit_run.percentile_ms(50)
+
+    distinct = [f"{t} #{k}" for k, t in enumerate(TEXTS[:200])]
+    order = _zipf_indices(400 if ctx.quick else 1200, len(distinct))
+    make = lambda i: ("/v1/embeddings", {"model": "embed", "input": distinct[order[i % len(order)]]})  # noqa: E731
+    for name, url in (("zipf, no cache", urls["uncached"]), ("zipf, cache", urls["cached"])):
+        run = _run(url, make, concurrency=16, requests=len(order), label=name, ctx=ctx)
+        result.add(run, name)
+    for name in urls:
+        ctx.cluster.delete(name)
+    zipf = {row["variant"]: row for row in result.runs if row["variant"].startswith("zipf")}
+    ratio = zipf["zipf, cache"]["throughput_rps"] / zipf["zipf, no cache"]["throughput_rps"]
+    trivial_p50 = trivial.percentile_ms(50)
+    result.derived.update(hit_over_miss_p50=round(hit_p50 / miss_p50, 4), hit_over_trivial_p50=round(hit_p50 / trivial_p50, 2),
+                          zipf_throughput_ratio=round(ratio, 2),
+                          zipf_distinct_share=round(len(set(order)) / len(order), 3))
+    result.check("chat hit p50 / miss p50", hit_p50 / miss_p50, 0.2, higher_is_better=False)
+    result.check("chat hit p50 / trivial-route p50", hit_p50 / trivial_p50, 2.0, higher_is_better=False)
+    result.check("Zipf embeddings throughput, cache / no cache", ratio, 1.0)
+    return result

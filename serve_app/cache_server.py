@@ -21,6 +21,7 @@ from ray import serve
 
 from serve_app.config import CacheConfig
 from serve_app.core.cache import MemoryStore, RedisStore, ResilientStore, SemanticIndex
+from serve_app.metrics import StoreMetrics
 
 logger = logging.getLogger("ray.serve")
 
@@ -46,6 +47,7 @@ class CacheServer:
         self.store = ResilientStore(_store_from_config(self.config), timeout_s=self.config.store_timeout_s)
         self.semantic = SemanticIndex(max_entries_per_namespace=self.config.semantic_max_entries)
         self.counts = {"gets": 0, "hits": 0, "sets": 0, "semantic_lookups": 0, "semantic_hits": 0}
+        self.metrics = StoreMetrics()
         logger.info("cache store: %s (ttl %ss)", self.config.store, self.config.ttl_s)
 
     async def get(self, key: str) -> Optional[bytes]:
@@ -58,6 +60,10 @@ class CacheServer:
     async def set(self, key: str, value: bytes, ttl_s: Optional[float] = None) -> None:
         self.counts["sets"] += 1
         await self.store.set(key, value, ttl_s if ttl_s is not None else self.config.ttl_s)
+        inner = self.store.inner
+        if isinstance(inner, MemoryStore):  # cheap counters; a Redis size would cost a call
+            self.metrics.update(evictions=inner.evictions, size_bytes=await inner.size_bytes(), entries=len(inner),
+                                store_errors=self.store.errors)
 
     async def semantic_get(self, namespace: str, vector: Sequence[float], threshold: float) -> Optional[tuple[str, float, bytes]]:
         """The stored answer of the most similar earlier request, if similar enough."""
@@ -84,6 +90,8 @@ class CacheServer:
 
     async def stats(self) -> dict:
         inner = self.store.inner
+        self.metrics.update(evictions=getattr(inner, "evictions", None), size_bytes=await self.store.size_bytes(),
+                            entries=len(inner) if isinstance(inner, MemoryStore) else None, store_errors=self.store.errors)
         return {
             "store": self.config.store,
             **self.counts,

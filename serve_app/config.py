@@ -146,6 +146,16 @@ class CacheConfig(_Section):
     call_timeout_s: float = Field(
         0.25, gt=0, description="The router's limit on one call to the CacheServer; past it, a miss."
     )
+    router_hot_ttl_s: float = Field(
+        2.0,
+        gt=0,
+        description="Each router replica keeps answers it just computed or fetched this long, so hot "
+        "repeats skip the trip to the CacheServer. After an admin drop, other router replicas may "
+        "serve a dropped answer for at most this long. Must cover call_timeout_s.",
+    )
+    router_hot_bytes: int = Field(
+        64 * 2**20, ge=0, description="Byte budget of each router replica's hot tier (encoded answers)."
+    )
     revision_refresh_s: float = Field(
         30.0, gt=0, description="How often the router re-reads each model's revision for its keys."
     )
@@ -154,6 +164,17 @@ class CacheConfig(_Section):
     )
     num_replicas: int = Field(1, ge=1, description="CacheServer replicas; more than one needs store: redis to share entries.")
     num_cpus: float = Field(0.1, gt=0, description="CPUs reserved per CacheServer replica.")
+
+    @model_validator(mode="after")
+    def _hot_tier_covers_lookups(self) -> "CacheConfig":
+        # An answer must stay in the hot tier while a lookup sent before its write-back
+        # can still be on its way, or a duplicate request would call the model again.
+        if self.router_hot_ttl_s < self.call_timeout_s:
+            raise ValueError(
+                f"cache.router_hot_ttl_s ({self.router_hot_ttl_s}) is below cache.call_timeout_s "
+                f"({self.call_timeout_s}); raise router_hot_ttl_s to at least call_timeout_s"
+            )
+        return self
 
     @model_validator(mode="after")
     def _replicas_share_entries(self) -> "CacheConfig":

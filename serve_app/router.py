@@ -18,6 +18,7 @@ import uuid
 from collections import Counter
 from typing import Any, Awaitable, Callable, Literal, Optional, Union
 
+import cachetools
 import numpy as np
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
@@ -41,6 +42,7 @@ from serve_app.core.errors import (
     ModelNotFoundError,
     ServeAppError,
 )
+from serve_app.metrics import CacheMetrics
 
 logger = logging.getLogger("ray.serve")
 
@@ -237,13 +239,16 @@ class Router:
         self.created = int(time.time())
         # Identical requests in flight at once share one model call (per router replica).
         self.flights = SingleFlight()
-        # Fresh answers, kept from the end of their model call until shortly after their
-        # write-back: a request whose cache lookup raced the write is served from here
-        # instead of costing a second model call.
-        self._recent: dict[str, Any] = {}
+        # The hot tier: encoded answers this replica just computed or fetched, for
+        # router_hot_ttl_s. Repeats skip the CacheServer round trip, and a request whose
+        # lookup raced a write-back is served here instead of calling the model again.
+        self._hot = cachetools.TTLCache(
+            maxsize=max(1, self.config.cache.router_hot_bytes), ttl=self.config.cache.router_hot_ttl_s, getsizeof=len
+        )
         self._background: set[asyncio.Task] = set()
         self._revisions: dict[str, tuple[str, float]] = {}
         self.cache_outcomes: Counter = Counter()
+        self.cache_metrics = CacheMetrics()
         self._cache_errors = 0
         self._cache_error_logged_at = 0.0
 
@@ -286,6 +291,7 @@ class Router:
             return await asyncio.wait_for(call, timeout=timeout_s or self.config.cache.call_timeout_s)
         except Exception as exc:  # degrade, never fail: the model still answers
             self._cache_errors += 1
+            self.cache_metrics.errors.inc()
             now = time.monotonic()
             if now - self._cache_error_logged_at > 30:
                 logger.warning("cache %s failed (%d errors so far), serving without it: %r", method, self._cache_errors, exc)
@@ -318,19 +324,25 @@ class Router:
             logger.warning("semantic cache: embedding with %s failed: %r", model_name, exc)
             return None
 
+    def _remember(self, key: str, encoded: bytes) -> None:
+        try:
+            self._hot[key] = encoded
+        except ValueError:  # larger than the whole hot tier: the store still has it
+            pass
+
+    def _hot_get(self, key: str) -> Any:
+        encoded = self._hot.get(key)
+        return None if encoded is None else decode_value(encoded)
+
     def _write_back(self, key: str, output: Any, ttl_s: Optional[float], namespace: Optional[str], vector) -> None:
         """Store a fresh answer without making the client wait for the write."""
-        self._recent[key] = output
+        encoded = encode_value(output)
+        self._remember(key, encoded)
 
         async def write() -> None:
-            try:
-                await self._cache_call("set", key, encode_value(output), ttl_s)
-                if namespace is not None and vector is not None:
-                    await self._cache_call("semantic_add", namespace, vector, key)
-                # A lookup sent before the write landed may still come back empty.
-                await asyncio.sleep(self.config.cache.call_timeout_s)
-            finally:
-                self._recent.pop(key, None)
+            await self._cache_call("set", key, encoded, ttl_s)
+            if namespace is not None and vector is not None:
+                await self._cache_call("semantic_add", namespace, vector, key)
 
         task = asyncio.create_task(write())
         self._background.add(task)
@@ -350,6 +362,7 @@ class Router:
         (possibly shared) model call. Sets the ``x-cache`` header."""
         outcome, output = await self._lookup_or_compute(model, payload, params, compute, semantic_text)
         self.cache_outcomes[(model.name, outcome)] += 1
+        self.cache_metrics.outcome(model.name, outcome)
         response.headers["x-cache"] = "miss" if outcome in ("bypass", "coalesced") else outcome
         return output
 
@@ -358,13 +371,16 @@ class Router:
             return "bypass", await compute()
         revision = await self._revision(model)
         key = cache_key(model=model.name, revision=revision, task=model.task, payload=payload, params=params)
-        if key in self._recent:
-            return "hit", self._recent[key]
+        hot = self._hot_get(key)
+        if hot is not None:
+            return "hit", hot
         stored = await self._cache_call("get", key)
         if stored is not None:
+            self._remember(key, stored)
             return "hit", decode_value(stored)
-        if key in self._recent:  # answered while our lookup was on its way
-            return "hit", self._recent[key]
+        hot = self._hot_get(key)  # answered while our lookup was on its way
+        if hot is not None:
+            return "hit", hot
         namespace = vector = None
         semantic = model.cache.semantic
         if semantic is not None and semantic_text:
@@ -377,7 +393,7 @@ class Router:
         async def compute_and_store() -> Any:
             output = await compute()
             # Inside the flight, so that from the moment the flight ends the answer is
-            # already in _recent: no gap in which a late duplicate calls the model again.
+            # already in the hot tier: no gap in which a late duplicate calls the model.
             self._write_back(key, output, model.cache.ttl_s, namespace, vector)
             return output
 
@@ -423,8 +439,8 @@ class Router:
         if self.cache is None:
             raise InvalidRequestError("the cache is disabled in this deployment", code="cache_disabled")
         # Model names cannot hold ':' (config), so this prefix is exactly the model's keys.
-        for key in [k for k in self._recent if k.startswith(f"{model_name}:")]:
-            del self._recent[key]
+        for key in [k for k in list(self._hot) if k.startswith(f"{model_name}:")]:
+            self._hot.pop(key, None)
         dropped = await self._cache_call("drop_model", model_name, timeout_s=60)
         if dropped is None:
             raise ServeAppError("the cache store did not answer; try again", code="cache_unavailable")

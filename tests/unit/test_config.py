@@ -70,6 +70,17 @@ def test_defaults_fill_in():
         ({"models": []}, ["args.models", "at least 1 item"]),
         ({"models": _minimal()["models"] * 2}, ["model name 'm' appears twice"]),
         ({"modles": []}, ["args.modles", "Extra inputs are not permitted"]),
+        ({**_minimal(), "cache": {"router_hot_ttl_s": 0.1}}, ["router_hot_ttl_s (0.1) is below cache.call_timeout_s (0.25)"]),
+        ({**_minimal(), "cache": {"num_replicas": 2}}, ["use store: redis or one replica"]),
+        ({**_minimal(), "cache": {"store": "disk"}}, ["args.cache.store", "'disk'"]),
+        (
+            _minimal(cache={"semantic": {"embedding_model": "m"}}),
+            ["cache.semantic is for text-generation models, not embedding"],
+        ),
+        (
+            {"models": [_minimal(task="text-generation")["models"][0] | {"cache": {"semantic": {"embedding_model": "nope"}}}]},
+            ["embedding_model 'nope' is not an embedding model", "none configured"],
+        ),
     ],
 )
 def test_bad_config_names_path_value_and_fix(args, expected):
