@@ -47,6 +47,7 @@ def variant(model: dict, *, name: Optional[str] = None, precision: Optional[str]
         resources["torch_threads"] = torch_threads
     if num_cpus:
         resources["num_cpus"] = num_cpus
+    out.pop("cache", None)  # per-model cache settings may name models this variant lacks
     out.setdefault("batching", {}).update(batching)
     out["max_ongoing_requests"] = max(out.get("max_ongoing_requests", 256), out["batching"].get("max_batch_size", 32))
     return out
@@ -79,10 +80,16 @@ class BenchCluster:
         self.deployed.append(name)
         return self.url(route_prefix)
 
-    def deploy_models(self, name: str, models: list[dict], router: Optional[dict] = None) -> str:
+    def deploy_models(self, name: str, models: list[dict], router: Optional[dict] = None, *, cache: bool = False) -> str:
+        """Deploy our app with these models. The cache is off unless asked for: the
+        throughput scenarios repeat inputs, and hits would measure the cache instead."""
         from serve_app.app import build_app
 
-        args = {"models": models, "router": router or {"num_cpus": 0.1, "request_timeout_s": 600}}
+        args = {
+            "models": models,
+            "router": router or {"num_cpus": 0.1, "request_timeout_s": 600},
+            "cache": {"enabled": cache},
+        }
         return self.deploy(build_app(args), name)
 
     def delete(self, name: str) -> None:

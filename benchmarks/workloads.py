@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 # Plain English words, so tokenizers see realistic sub-word counts (~1.3 tokens/word).
 _WORDS = (
@@ -43,3 +44,36 @@ CHAT_PROMPTS = [
     "Give two examples of renewable energy sources.",
     "How does a hash table work?",
 ]
+
+
+TRACE = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "AzureLLMInferenceTrace_code.csv"
+# Attribution for figures made from the trace (CC-BY 4.0).
+TRACE_ATTRIBUTION = (
+    "Azure LLM inference trace 2023 (Azure Public Dataset, CC-BY 4.0); Patel et al., "
+    "\"Splitwise: Efficient generative LLM inference using phase splitting\", ISCA 2024"
+)
+
+
+def trace_requests(count: int, *, rate_per_s: float, tokens_per_word: int = 40, path: Path = TRACE,
+                   seed: int = 11) -> tuple[list[float], list[str]]:
+    """Arrival offsets and texts from the Azure code trace's first ``count`` requests.
+
+    Time is compressed so the mean rate is ``rate_per_s`` (burst shape kept); each
+    request's ContextTokens is scaled down by ``tokens_per_word`` into a word count,
+    clipped to 4..128 words, so a 2-core CPU can serve the same length mix's shape.
+    """
+    import csv
+    from datetime import datetime
+
+    with open(path) as handle:
+        rows = [row for _, row in zip(range(count), csv.DictReader(handle))]
+    stamps = [datetime.fromisoformat(row["TIMESTAMP"][:26]) for row in rows]
+    offsets = [(s - stamps[0]).total_seconds() for s in stamps]
+    span = offsets[-1] or 1.0
+    scale = (len(rows) / rate_per_s) / span
+    rng = random.Random(seed)
+    texts = []
+    for row in rows:
+        words = min(128, max(4, int(row["ContextTokens"]) // tokens_per_word))
+        texts.append(" ".join(rng.choice(_WORDS) for _ in range(words)))
+    return [o * scale for o in offsets], texts

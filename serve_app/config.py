@@ -357,9 +357,11 @@ def parse_app_config(args: Any) -> AppConfig:
     except ValidationError as exc:
         lines = []
         for error in exc.errors():
-            path = ".".join(str(p) for p in error["loc"]) or "args"
-            value = error.get("input")
-            line = f"  args.{path}: {error['msg']} (got {value!r})"
+            path = ".".join(["args", *(str(p) for p in error["loc"])])
+            shown = repr(error.get("input"))
+            if len(shown) > 200:
+                shown = shown[:200] + "..."
+            line = f"  {path}: {error['msg']} (got {shown})"
             hint = _describe_field(tuple(error["loc"]))
             if hint and error["type"] not in ("value_error", "assertion_error"):
                 line += f"; expected: {hint}"

@@ -390,6 +390,7 @@ class Router:
                 found = await self._cache_call("semantic_get", namespace, vector, semantic.threshold)
                 if found is not None:
                     return "semantic", decode_value(found[2])
+
         async def compute_and_store() -> Any:
             output = await compute()
             # Inside the flight, so that from the moment the flight ends the answer is
