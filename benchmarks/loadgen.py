@@ -76,15 +76,11 @@ async def _one(
 ) -> None:
     path, body = make(i)
     started = time.perf_counter()
+    method, options = ("GET", {}) if body is None else ("POST", {"json": body})
     try:
-        if body is None:
-            async with session.get(base_url + path) as response:
-                payload = await response.read()
-                status = response.status
-        else:
-            async with session.post(base_url + path, json=body) as response:
-                payload = await response.read()
-                status = response.status
+        async with session.request(method, base_url + path, **options) as response:
+            payload = await response.read()
+            status = response.status
     except Exception as exc:  # connection errors count as errors, not crashes
         result.errors += 1
         result.error_samples.append(f"{type(exc).__name__}: {exc}")
