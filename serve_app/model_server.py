@@ -68,7 +68,7 @@ def _batch_cost(rows: Sequence[_Row]) -> int:
 
 
 class _BatchStats:
-    """Counters for /v1/stats and tests; Prometheus metrics live in metrics.py."""
+    """Counters behind /v1/stats (read by tests and operators)."""
 
     def __init__(self, window: int = 256):
         self.requests = 0
