@@ -7,6 +7,7 @@ instead of at the first request.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any, Literal, Optional
 
@@ -266,7 +267,7 @@ class ModelConfig(_Section):
     def effective_torch_threads(self) -> int:
         if self.resources.torch_threads:
             return self.resources.torch_threads
-        return max(1, int(-(-self.resources.num_cpus // 1)))
+        return max(1, math.ceil(self.resources.num_cpus))
 
 
 class RouterConfig(_Section):

@@ -221,9 +221,8 @@ class ModelServer:
         runtime = self.runtime
         if isinstance(runtime, EmbeddingRuntime):
             return runtime.embed(payloads)
-        if isinstance(runtime, TextClassificationRuntime):
-            return runtime.classify(payloads, top_k=len(runtime.labels))
-        if isinstance(runtime, ImageClassificationRuntime):
+        if isinstance(runtime, (TextClassificationRuntime, ImageClassificationRuntime)):
+            # Rank every label once; each caller's top_k is cut from it afterwards.
             return runtime.classify(payloads, top_k=len(runtime.labels))
         if isinstance(runtime, GenerationRuntime):
             return runtime.generate(payloads, group)

@@ -52,8 +52,6 @@ class ModelPacedExecutor(Generic[Row]):
         self._waiting: deque[tuple[Row, asyncio.Future]] = deque()
         self._wake: asyncio.Event | None = None
         self._worker: asyncio.Task | None = None
-        self.model_calls = 0
-        self.merged_rows = 0
 
     def submit(self, rows: Sequence[Row]) -> list[asyncio.Future]:
         """Queue rows; each future resolves to its row's result (or raises its error)."""
@@ -109,8 +107,6 @@ class ModelPacedExecutor(Generic[Row]):
             except Exception as exc:  # a bug in run_batch: fail these rows, keep serving
                 logger.exception("model call failed for %d rows", len(rows))
                 results = [exc] * len(rows)
-            self.model_calls += 1
-            self.merged_rows += len(rows)
             for (_, future), result in zip(taken, results):
                 if future.done():
                     continue

@@ -390,6 +390,13 @@ def _topk_rows(probs: torch.Tensor, labels: list[str], top_k: int) -> list[list[
     ]
 
 
+def _rank_labels(logits: torch.Tensor, labels: list[str], top_k: int, *, multi_label: bool) -> list[list[tuple[str, float]]]:
+    """Per-row (label, score) pairs, best first: sigmoid scores for multi-label models, else softmax."""
+    logits = logits.float()
+    probs = torch.sigmoid(logits) if multi_label else torch.softmax(logits, dim=-1)
+    return _topk_rows(probs, labels, top_k)
+
+
 class TaskRuntime:
     """Common attributes of every runtime."""
 
@@ -542,9 +549,8 @@ class TextClassificationRuntime(_TextRuntime):
         _check_top_k(top_k, len(self.labels))
         ids, mask = self._batch(rows)
         with torch.inference_mode():
-            logits = self.model(input_ids=ids, attention_mask=mask).logits.float()
-            probs = torch.sigmoid(logits) if self.multi_label else torch.softmax(logits, dim=-1)
-        return _topk_rows(probs, self.labels, top_k)
+            logits = self.model(input_ids=ids, attention_mask=mask).logits
+        return _rank_labels(logits, self.labels, top_k, multi_label=self.multi_label)
 
 
 class ImageClassificationRuntime(TaskRuntime):
@@ -592,9 +598,8 @@ class ImageClassificationRuntime(TaskRuntime):
         _check_top_k(top_k, len(self.labels))
         batch = torch.stack([p.to(self.dtype) for p in pixels]).to(self.device)
         with torch.inference_mode():
-            logits = self.model(pixel_values=batch).logits.float()
-            probs = torch.sigmoid(logits) if self.multi_label else torch.softmax(logits, dim=-1)
-        return _topk_rows(probs, self.labels, top_k)
+            logits = self.model(pixel_values=batch).logits
+        return _rank_labels(logits, self.labels, top_k, multi_label=self.multi_label)
 
 
 # --------------------------------------------------------------------------- generation
