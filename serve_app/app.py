@@ -12,23 +12,60 @@ from typing import Any
 from ray.serve import Application
 
 from serve_app.cache_server import CacheServer
-from serve_app.config import AppConfig, ModelConfig, parse_app_config
+from serve_app.config import AppConfig, LoadProfileConfig, ModelConfig, parse_app_config
 from serve_app.model_server import ModelServer
 from serve_app.router import Router
+from serve_app.scaling import POLICY_IMPORT_PATH
 
 
 def deployment_name(model: ModelConfig) -> str:
     return f"ModelServer-{model.name}"
 
 
-def _model_deployment(model: ModelConfig) -> Application:
+def autoscaling_config(model_name: str, profile_name: str, profile: LoadProfileConfig) -> dict[str, Any]:
+    """Ray Serve autoscaling for a model that follows a daily load profile.
+
+    Serve's own bounds are the profile's widest (the policy narrows them per window),
+    and Serve's delays are zero because the policy applies the profile's own delays to
+    load-driven changes only: a window opening or closing must act at once.
+    """
+    schedule = profile.to_schedule(profile_name)
+    return {
+        "min_replicas": schedule.min_replicas,
+        "max_replicas": schedule.max_replicas,
+        "upscale_delay_s": 0.0,
+        "downscale_delay_s": 0.0,
+        "look_back_period_s": profile.look_back_period_s,
+        "metrics_interval_s": min(10.0, profile.look_back_period_s / 2),
+        "policy": {
+            "policy_function": POLICY_IMPORT_PATH,
+            "policy_kwargs": {
+                "model": model_name,
+                "profile_name": profile_name,
+                "profile": profile.model_dump(mode="json"),
+            },
+        },
+    }
+
+
+def _model_deployment(model: ModelConfig, config: AppConfig) -> Application:
     resources = model.resources
+    # Ray sets CUDA_VISIBLE_DEVICES to the GPU(s) it assigns, so the replica's "cuda" is
+    # its own share; accelerator_type makes Ray place it only on nodes with that GPU.
     actor_options: dict[str, Any] = {"num_cpus": resources.num_cpus, "num_gpus": resources.num_gpus}
     if resources.accelerator_type:
         actor_options["accelerator_type"] = resources.accelerator_type
+    if model.load_profile:
+        replicas: dict[str, Any] = {
+            "autoscaling_config": autoscaling_config(
+                model.name, model.load_profile, config.load_profiles[model.load_profile]
+            )
+        }
+    else:
+        replicas = {"num_replicas": model.num_replicas or 1}
     return ModelServer.options(
         name=deployment_name(model),
-        num_replicas=model.num_replicas,
+        **replicas,
         max_ongoing_requests=model.max_ongoing_requests,
         ray_actor_options=actor_options,
         # Batching knobs travel as user_config. Overriding them in the Serve config
@@ -64,7 +101,7 @@ def router_app(config: AppConfig, model_apps: dict[str, Application], cache_app:
 
 
 def build_app_from_config(config: AppConfig) -> Application:
-    models = {model.name: _model_deployment(model) for model in config.models}
+    models = {model.name: _model_deployment(model, config) for model in config.models}
     return router_app(config, models, _cache_deployment(config))
 
 

@@ -13,6 +13,8 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from serve_app.core import schedule
+
 # Kept in step with serve_app.core.runtime.TASKS (a unit test checks); not imported from
 # there so the router can read its config without importing torch.
 Task = Literal["embedding", "text-generation", "text-classification", "image-classification"]
@@ -187,6 +189,114 @@ class CacheConfig(_Section):
         return self
 
 
+class WindowConfig(_Section):
+    """One time-of-day window of a load profile."""
+
+    name: str = Field(description="Label shown in logs, metrics and errors, e.g. 'night' or 'peak'.")
+    start: str = Field(description="Local time the window opens, 'HH:MM'.")
+    end: str = Field(description="Local time it closes, 'HH:MM' ('24:00' allowed); at or before start runs past midnight.")
+    days: Literal["all", "weekdays", "weekends"] = Field(
+        "all", description="Days on which the window opens: all, weekdays (Mon-Fri) or weekends (Sat, Sun)."
+    )
+    min_replicas: int = Field(ge=0, description="Replica floor in this window.")
+    max_replicas: int = Field(ge=1, description="Replica ceiling in this window.")
+    target_ongoing_requests: float = Field(
+        gt=0, description="Ongoing + queued requests one replica should carry; load picks the count between min and max."
+    )
+
+    @field_validator("start")
+    @classmethod
+    def _start_is_time(cls, value: str) -> str:
+        schedule.parse_time_of_day(value)
+        return value
+
+    @field_validator("end")
+    @classmethod
+    def _end_is_time(cls, value: str) -> str:
+        schedule.parse_time_of_day(value, allow_24=True)
+        return value
+
+    @model_validator(mode="after")
+    def _min_within_max(self) -> "WindowConfig":
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(
+                f"window {self.name!r}: min_replicas ({self.min_replicas}) exceeds max_replicas ({self.max_replicas})"
+            )
+        return self
+
+
+class SimulatedClockConfig(_Section):
+    """A compressed day for tests, demos and the day benchmark. Never set it in production."""
+
+    day_length_s: float = Field(gt=0, description="Real seconds that make one 24 h day, e.g. 240 for a day in 4 minutes.")
+    start_time: str = Field("00:00", description="Profile time of day when the clock starts, 'HH:MM'.")
+    start_day: Literal["Mon", "Tue", "Wed", "Thu", "Fri", "Sat", "Sun"] = Field(
+        "Mon", description="Weekday the simulated clock starts on."
+    )
+    anchor_unix_s: Optional[float] = Field(
+        None, description="Real Unix time at which the clock reads start_time; default: when the policy starts."
+    )
+
+    @field_validator("start_time")
+    @classmethod
+    def _start_is_time(cls, value: str) -> str:
+        schedule.parse_time_of_day(value)
+        return value
+
+
+class LoadProfileConfig(_Section):
+    """Replica floors and ceilings by time of day. Models name a profile in `load_profile`;
+    Ray Serve then scales them with serve_app's policy (serve_app/scaling.py)."""
+
+    timezone: str = Field("UTC", description="IANA zone the window times are in, e.g. 'Europe/Berlin'.")
+    windows: list[WindowConfig] = Field(
+        min_length=1, description="Windows that together cover every minute of the week exactly once."
+    )
+    prewarm_s: float = Field(
+        0.0,
+        ge=0,
+        le=86400,
+        description="Raise the floor this many seconds before a window with a higher floor opens "
+        "(cover replica start time: node launch + model load).",
+    )
+    upscale_delay_s: float = Field(30.0, ge=0, description="Load must ask for more replicas this long before they are added.")
+    downscale_delay_s: float = Field(
+        300.0, ge=0, description="Load must ask for fewer replicas this long before they are removed."
+    )
+    look_back_period_s: float = Field(
+        30.0, gt=0, description="Seconds over which Ray Serve averages ongoing requests for the load signal."
+    )
+    clock: Optional[SimulatedClockConfig] = Field(
+        None, description="Simulated (compressed) clock; durations above then count in simulated time."
+    )
+
+    @field_validator("timezone")
+    @classmethod
+    def _known_zone(cls, value: str) -> str:
+        from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+        try:
+            ZoneInfo(value)
+        except (ZoneInfoNotFoundError, ValueError):
+            raise ValueError(f"timezone {value!r} is not an IANA zone name, e.g. 'UTC' or 'America/New_York'") from None
+        return value
+
+    @model_validator(mode="after")
+    def _windows_tile_the_week(self) -> "LoadProfileConfig":
+        names = [w.name for w in self.windows]
+        if len(set(names)) != len(names):
+            raise ValueError(f"window names must be unique, got {names}")
+        problems = schedule.coverage_problems(list(self.to_schedule("check").windows))
+        if problems:
+            raise ValueError(
+                "windows must cover every minute of the week exactly once: " + "; ".join(problems)
+            )
+        return self
+
+    def to_schedule(self, name: str) -> schedule.LoadProfile:
+        return schedule.LoadProfile.from_config(name, self.model_dump(mode="json"))
+
+
 class ModelConfig(_Section):
     """One served model: one ModelServer deployment."""
 
@@ -206,7 +316,12 @@ class ModelConfig(_Section):
     trust_remote_code: bool = Field(
         False, description="Run Python code shipped with the model. Only for sources you trust."
     )
-    num_replicas: int = Field(1, ge=1, description="Replicas when no load profile drives autoscaling.")
+    num_replicas: Optional[int] = Field(
+        None, ge=1, description="Fixed replica count (default 1); leave it out when load_profile is set."
+    )
+    load_profile: Optional[str] = Field(
+        None, description="Name of an entry in load_profiles that scales this model by time of day and load."
+    )
     max_ongoing_requests: int = Field(
         256,
         ge=1,
@@ -287,6 +402,26 @@ class AppConfig(_Section):
     models: list[ModelConfig] = Field(min_length=1, description="The models to serve; names must be unique.")
     router: RouterConfig = Field(default_factory=RouterConfig, description="HTTP ingress settings.")
     cache: CacheConfig = Field(default_factory=CacheConfig, description="The response cache deployment.")
+    load_profiles: dict[str, LoadProfileConfig] = Field(
+        default_factory=dict, description="Named daily load profiles that models refer to in load_profile."
+    )
+
+    @model_validator(mode="after")
+    def _load_profiles_exist(self) -> "AppConfig":
+        for model in self.models:
+            if model.load_profile is None:
+                continue
+            if model.load_profile not in self.load_profiles:
+                known = ", ".join(sorted(self.load_profiles)) or "none defined"
+                raise ValueError(
+                    f"model {model.name!r}: load_profile {model.load_profile!r} is not in load_profiles (defined: {known})"
+                )
+            if model.num_replicas is not None:
+                raise ValueError(
+                    f"model {model.name!r} sets both num_replicas ({model.num_replicas}) and load_profile "
+                    f"({model.load_profile!r}); the profile decides the count, so remove num_replicas"
+                )
+        return self
 
     @model_validator(mode="after")
     def _unique_names(self) -> "AppConfig":
@@ -328,8 +463,10 @@ def _describe_field(loc: tuple[Any, ...]) -> Optional[str]:
     """The documented meaning of the field at ``loc``, used as the 'fix' hint."""
     model: Any = AppConfig
     description = None
+    keyed_by_name = False  # inside a dict[str, Section]: the next part is a user-chosen key
     for part in loc:
-        if isinstance(part, int):
+        if isinstance(part, int) or keyed_by_name:
+            keyed_by_name = False
             continue
         fields = getattr(model, "model_fields", None)
         if not fields or part not in fields:
@@ -337,6 +474,7 @@ def _describe_field(loc: tuple[Any, ...]) -> Optional[str]:
         info = fields[part]
         description = info.description
         annotation = info.annotation
+        keyed_by_name = getattr(annotation, "__origin__", None) is dict
         # Walk into nested sections (list[ModelConfig], Optional[...]).
         for candidate in (annotation, *getattr(annotation, "__args__", ())):
             if isinstance(candidate, type) and issubclass(candidate, BaseModel):
@@ -382,6 +520,9 @@ def reference_markdown() -> str:
         ("args.models[].cache", ModelCacheConfig),
         ("args.models[].cache.semantic", SemanticCacheConfig),
         ("args.cache", CacheConfig),
+        ("args.load_profiles.<name>", LoadProfileConfig),
+        ("args.load_profiles.<name>.windows[]", WindowConfig),
+        ("args.load_profiles.<name>.clock", SimulatedClockConfig),
     ]
     out = []
     for title, model in sections:

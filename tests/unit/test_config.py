@@ -30,7 +30,7 @@ def test_shipped_deployment_files_are_valid(path):
 def test_local_deployment_fits_two_cpus():
     config = parse_app_config(_args("deployments/local.yaml"))
     reserved = config.router.num_cpus * config.router.num_replicas + sum(
-        m.resources.num_cpus * m.num_replicas for m in config.models
+        m.resources.num_cpus * (m.num_replicas or 1) for m in config.models
     )
     assert reserved <= 2, f"local.yaml reserves {reserved} CPUs; a 2-core laptop could not place it"
     assert all(m.resources.num_gpus == 0 for m in config.models)
