@@ -86,7 +86,7 @@ def _cache_deployment(config: AppConfig) -> Application | None:
         name="CacheServer",
         num_replicas=config.cache.num_replicas,
         max_ongoing_requests=4096,  # each call is a dictionary or Redis lookup
-        ray_actor_options={"num_cpus": config.cache.num_cpus},
+        ray_actor_options={"num_cpus": config.cache.num_cpus, "resources": config.cache.ray_resources},
     ).bind(config.cache.model_dump())
 
 
@@ -96,7 +96,7 @@ def router_app(config: AppConfig, model_apps: dict[str, Application], cache_app:
         name="Router",
         num_replicas=config.router.num_replicas,
         max_ongoing_requests=config.router.max_ongoing_requests,
-        ray_actor_options={"num_cpus": config.router.num_cpus},
+        ray_actor_options={"num_cpus": config.router.num_cpus, "resources": config.router.ray_resources},
     ).bind(config.model_dump(), model_apps, cache_app)
 
 

@@ -167,6 +167,9 @@ class CacheConfig(_Section):
     )
     num_replicas: int = Field(1, ge=1, description="CacheServer replicas; more than one needs store: redis to share entries.")
     num_cpus: float = Field(0.1, gt=0, description="CPUs reserved per CacheServer replica.")
+    ray_resources: dict[str, float] = Field(
+        default_factory=dict, description="Extra Ray resources per replica (see router.ray_resources)."
+    )
 
     @model_validator(mode="after")
     def _hot_tier_covers_lookups(self) -> "CacheConfig":
@@ -391,6 +394,11 @@ class RouterConfig(_Section):
     num_replicas: int = Field(1, ge=1, description="Router replicas (each is stateless).")
     num_cpus: float = Field(0.25, gt=0, description="CPUs reserved per router replica.")
     max_ongoing_requests: int = Field(1024, ge=1, description="Requests one router replica handles at once.")
+    ray_resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Extra Ray resources per replica; {'node:__internal_head__': 0.001} keeps routers on the head "
+        "node so that GPU nodes can drain and be removed.",
+    )
     request_timeout_s: float = Field(
         120.0, gt=0, description="A request still unanswered after this many seconds gets HTTP 504."
     )
