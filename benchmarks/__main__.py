@@ -49,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     try:
         ctx = Context(cluster=cluster, models=load_models(args.config), quick=args.quick, precision=args.precision,
-                      torch_threads=args.torch_threads, gen_torch_threads=args.gen_torch_threads, progress=not args.no_progress)
+                      torch_threads=args.torch_threads, gen_torch_threads=args.gen_torch_threads, progress=not args.no_progress,
+                      out_dir=args.out)
         for name in names:
             t0 = time.perf_counter()
             print(f"== {name}", flush=True)

@@ -27,6 +27,7 @@ class Context:
     torch_threads: int
     gen_torch_threads: int
     progress: bool = True
+    out_dir: str = "benchmark-results"  # where scenarios that draw their own plots put them
 
 
 @dataclass
@@ -398,3 +399,7 @@ def trace(ctx: Context) -> ScenarioResult:
     result.derived.update(p95_ratio=round(b["p95_ms"] / u["p95_ms"], 3), source=TRACE_ATTRIBUTION)
     result.check("batched / unbatched p95 latency on the trace", b["p95_ms"] / u["p95_ms"], 1.0, higher_is_better=False)
     return result
+
+
+# Scenarios kept in their own modules register on import.
+from benchmarks import day  # noqa: E402,F401
