@@ -1,5 +1,6 @@
 # Two commands do all the set-up on a fresh machine:
 #   make serve   -> virtualenv, install, then `serve run deployments/local.yaml`
+#                   (Ray's Prometheus endpoint on :$(METRICS_PORT), via serve_app.launch)
 #   make test    -> virtualenv, install, then the unit and integration tests
 PYTHON ?= python3
 VENV ?= .venv
@@ -7,6 +8,7 @@ BIN := $(VENV)/bin
 # The CPU build of torch; an unpinned torch would pull a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 CONFIG ?= deployments/local.yaml
+METRICS_PORT ?= 8080
 # Ray 2.60 turns on token auth for local clusters; the serve CLI needs it off (or a token).
 export RAY_AUTH_MODE ?= disabled
 export HF_HUB_OFFLINE ?= 1
@@ -28,7 +30,7 @@ $(VENV)/.installed: pyproject.toml $(BIN)/python
 install: $(VENV)/.installed
 
 serve: install
-	$(BIN)/serve run $(CONFIG)
+	$(BIN)/python -m serve_app.launch $(CONFIG) --metrics-export-port $(METRICS_PORT)
 
 test: install
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests

@@ -143,10 +143,12 @@ def _watch_replicas(apps: list[str], started: float, until: float, period_s: flo
     """Poll Serve for running and starting replicas of each model deployment (thread)."""
     from ray import serve
 
+    from serve_app.config import model_deployment_name
+
     while time.time() < until:
         status = serve.status().applications
         for app in apps:
-            deployment = status.get(app) and status[app].deployments.get("ModelServer-embed")
+            deployment = status.get(app) and status[app].deployments.get(model_deployment_name("embed"))
             states = deployment.replica_states if deployment else {}
             running = states.get("RUNNING", 0)
             starting = sum(states.get(s, 0) for s in ("STARTING", "UPDATING", "RECOVERING", "PENDING_MIGRATION"))
@@ -240,7 +242,7 @@ def day(ctx: Context) -> ScenarioResult:
     import threading
 
     from serve_app.app import router_app
-    from serve_app.config import parse_app_config
+    from serve_app.config import model_deployment_name, parse_app_config
 
     from benchmarks.stubs import EmulatedAccelerator
 
@@ -254,7 +256,7 @@ def day(ctx: Context) -> ScenarioResult:
     urls = {}
     for name, scaling in _policies(day_length_s, anchor).items():
         model = EmulatedAccelerator.options(
-            name="ModelServer-embed", max_ongoing_requests=64, ray_actor_options={"num_cpus": 0.05}, **scaling
+            name=model_deployment_name("embed"), max_ongoing_requests=64, ray_actor_options={"num_cpus": 0.05}, **scaling
         ).bind(384, SLOTS, SERVICE_S)
         urls[name] = ctx.cluster.deploy(router_app(config, {"embed": model}), name)
     wait = anchor - time.time()

@@ -42,10 +42,12 @@ from typing import Any, Optional
 
 import yaml
 
+from serve_app.config import model_deployment_name
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 APP_NAME = "serve_app"
 MODEL_NAME = "minilm"
-DEPLOYMENT = f"ModelServer-{MODEL_NAME}"
+DEPLOYMENT = model_deployment_name(MODEL_NAME)
 PROFILE_NAME = "sim-day"
 WORKER_TYPE = "fake.gpu.2x"
 GPUS_PER_NODE = 2

@@ -12,14 +12,10 @@ from typing import Any
 from ray.serve import Application
 
 from serve_app.cache_server import CacheServer
-from serve_app.config import AppConfig, LoadProfileConfig, ModelConfig, parse_app_config
+from serve_app.config import AppConfig, LoadProfileConfig, ModelConfig, model_deployment_name, parse_app_config
 from serve_app.model_server import ModelServer
 from serve_app.router import Router
 from serve_app.scaling import POLICY_IMPORT_PATH
-
-
-def deployment_name(model: ModelConfig) -> str:
-    return f"ModelServer-{model.name}"
 
 
 def autoscaling_config(model_name: str, profile_name: str, profile: LoadProfileConfig) -> dict[str, Any]:
@@ -64,7 +60,7 @@ def _model_deployment(model: ModelConfig, config: AppConfig) -> Application:
     else:
         replicas = {"num_replicas": model.num_replicas or 1}
     return ModelServer.options(
-        name=deployment_name(model),
+        name=model_deployment_name(model.name),
         **replicas,
         max_ongoing_requests=model.max_ongoing_requests,
         ray_actor_options=actor_options,

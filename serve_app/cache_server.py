@@ -13,6 +13,7 @@ semantic index is always per replica.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from typing import Optional, Sequence
@@ -40,15 +41,34 @@ def _store_from_config(config: CacheConfig):
     )
 
 
+GAUGE_REFRESH_S = 5.0
+
+
 @serve.deployment
 class CacheServer:
-    def __init__(self, cache_config: dict):
+    async def __init__(self, cache_config: dict):
         self.config = CacheConfig.model_validate(cache_config)
         self.store = ResilientStore(_store_from_config(self.config), timeout_s=self.config.store_timeout_s)
         self.semantic = SemanticIndex(max_entries_per_namespace=self.config.semantic_max_entries)
         self.counts = {"gets": 0, "hits": 0, "sets": 0, "semantic_lookups": 0, "semantic_hits": 0}
         self.metrics = StoreMetrics()
+        # Ray drops a gauge from the scrape when it is not set for a while; refresh the
+        # store's gauges on a timer so dashboards show them while traffic is quiet too.
+        self._gauge_task = asyncio.create_task(self._refresh_gauges_forever())
         logger.info("cache store: %s (ttl %ss)", self.config.store, self.config.ttl_s)
+
+    async def _refresh_gauges(self) -> None:
+        inner = self.store.inner
+        self.metrics.update(evictions=getattr(inner, "evictions", None), size_bytes=await self.store.size_bytes(),
+                            entries=len(inner) if isinstance(inner, MemoryStore) else None, store_errors=self.store.errors)
+
+    async def _refresh_gauges_forever(self, period_s: float = GAUGE_REFRESH_S) -> None:
+        while True:
+            try:
+                await self._refresh_gauges()
+            except Exception:  # a slow or absent store must not end the loop
+                logger.debug("cache gauge refresh failed", exc_info=True)
+            await asyncio.sleep(period_s)
 
     async def get(self, key: str) -> Optional[bytes]:
         self.counts["gets"] += 1
@@ -60,10 +80,6 @@ class CacheServer:
     async def set(self, key: str, value: bytes, ttl_s: Optional[float] = None) -> None:
         self.counts["sets"] += 1
         await self.store.set(key, value, ttl_s if ttl_s is not None else self.config.ttl_s)
-        inner = self.store.inner
-        if isinstance(inner, MemoryStore):  # cheap counters; a Redis size would cost a call
-            self.metrics.update(evictions=inner.evictions, size_bytes=await inner.size_bytes(), entries=len(inner),
-                                store_errors=self.store.errors)
 
     async def semantic_get(self, namespace: str, vector: Sequence[float], threshold: float) -> Optional[tuple[str, float, bytes]]:
         """The stored answer of the most similar earlier request, if similar enough."""
@@ -90,8 +106,7 @@ class CacheServer:
 
     async def stats(self) -> dict:
         inner = self.store.inner
-        self.metrics.update(evictions=getattr(inner, "evictions", None), size_bytes=await self.store.size_bytes(),
-                            entries=len(inner) if isinstance(inner, MemoryStore) else None, store_errors=self.store.errors)
+        await self._refresh_gauges()
         return {
             "store": self.config.store,
             **self.counts,

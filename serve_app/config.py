@@ -463,6 +463,11 @@ class AppConfig(_Section):
         return next(m for m in self.models if m.name == name)
 
 
+def model_deployment_name(model_name: str) -> str:
+    """The Serve deployment that serves one model (dashboards and status reads use it)."""
+    return f"ModelServer-{model_name}"
+
+
 class ConfigError(ValueError):
     """A deployments file's ``args:`` section is invalid; the message lists each problem."""
 

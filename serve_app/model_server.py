@@ -26,6 +26,7 @@ from serve_app.config import BatchingConfig, ModelConfig
 from serve_app.core.batching import arrival_order_plan, plan_batches, scatter
 from serve_app.core.errors import ContextLengthExceededError, InvalidRequestError
 from serve_app.core.executor import Budget, ModelPacedExecutor
+from serve_app.core.recent import RecentEvents, mean, percentile
 from serve_app.core.runtime import (
     EmbeddingRuntime,
     GenerationRequest,
@@ -36,6 +37,7 @@ from serve_app.core.runtime import (
     TextClassificationRuntime,
     load_runtime,
 )
+from serve_app.metrics import BatchMetrics
 
 logger = logging.getLogger("ray.serve")
 
@@ -79,6 +81,9 @@ class _BatchStats:
         self.padded_tokens = 0
         self.recent_batch_rows: deque[int] = deque(maxlen=window)
         self.recent_queue_wait_s: deque[float] = deque(maxlen=window)
+        # (time, rows, real tokens, padded tokens) per model batch; (time, wait) per row.
+        self.last_minute_batches = RecentEvents(60.0)
+        self.last_minute_waits = RecentEvents(60.0)
 
     def snapshot(self) -> dict:
         recent = list(self.recent_batch_rows)
@@ -94,6 +99,21 @@ class _BatchStats:
             "mean_batch_rows": (sum(recent) / len(recent)) if recent else None,
             "max_batch_rows": max(recent) if recent else None,
             "p50_queue_wait_s": waits[len(waits) // 2] if waits else None,
+            "last_minute": self._last_minute(),
+        }
+
+    def _last_minute(self) -> dict:
+        batches = self.last_minute_batches.recent()
+        waits = [wait for _, wait in self.last_minute_waits.recent()]
+        real = sum(b[2] for b in batches)
+        padded = sum(b[3] for b in batches)
+        return {
+            "batches": len(batches),
+            "rows": sum(b[1] for b in batches),
+            "mean_batch_rows": mean(b[1] for b in batches),
+            "padding_efficiency": real / padded if padded else None,
+            "p50_queue_wait_s": percentile(waits, 50),
+            "p95_queue_wait_s": percentile(waits, 95),
         }
 
 
@@ -126,6 +146,7 @@ class ModelServer:
             torch.get_num_threads(),
         )
         self.stats = _BatchStats()
+        self.metrics = BatchMetrics(self.config.name)
         self.executor = ModelPacedExecutor(
             self._run_batch,
             budget=lambda: Budget(max_rows=self.batching.max_batch_size, max_tokens=self.batching.max_batch_tokens),
@@ -177,7 +198,13 @@ class ModelServer:
         stats.batches += 1
         stats.rows += len(rows)
         stats.recent_batch_rows.append(len(rows))
-        stats.recent_queue_wait_s.extend(now - row.enqueued_at for row in rows)
+        waits = [now - row.enqueued_at for row in rows]
+        stats.recent_queue_wait_s.extend(waits)
+        for wait in waits:
+            stats.last_minute_waits.add(wait, now=now)
+            self.metrics.queue_wait.observe(wait)
+        self.metrics.batch_rows.observe(len(rows))
+        batch_real = batch_padded = batch_calls = 0
 
         results: list[Any] = [None] * len(rows)
         groups: dict[Any, list[int]] = {}
@@ -202,8 +229,23 @@ class ModelServer:
             stats.model_calls += len(plan.sub_batches)
             stats.real_tokens += plan.real_tokens
             stats.padded_tokens += plan.padded_tokens
+            batch_real, batch_padded = batch_real + plan.real_tokens, batch_padded + plan.padded_tokens
+            batch_calls += len(plan.sub_batches)
+            for sub_batch in plan.sub_batches:
+                self.metrics.call_rows.observe(sub_batch.rows)
+                self.metrics.call_tokens.observe(sub_batch.real_tokens)
+                if sub_batch.padded_tokens:
+                    self.metrics.padding_efficiency.observe(sub_batch.real_tokens / sub_batch.padded_tokens)
             for i, output in zip(indices, scatter(plan, outputs)):
                 results[i] = output
+        self.metrics.sub_batches.observe(batch_calls)
+        self.metrics.batches.inc()
+        self.metrics.rows.inc(len(rows))
+        self.metrics.model_calls.inc(batch_calls)
+        if batch_padded:  # Ray's Counter refuses 0 (image rows have no tokens)
+            self.metrics.real_tokens.inc(batch_real)
+            self.metrics.padded_tokens.inc(batch_padded)
+        stats.last_minute_batches.add(len(rows), batch_real, batch_padded, now=now)
         return results
 
     def _plan(self, lengths: list[int]):
@@ -320,6 +362,9 @@ class ModelServer:
             for ids in prompt_rows
         ]
         results = await self._submit(rows)
+        generated = sum(r.completion_tokens for r in results)
+        if generated:
+            self.metrics.generated_tokens.inc(generated)
         return [
             {
                 "text": r.text,

@@ -12,6 +12,7 @@ else.
 import asyncio
 import base64
 import binascii
+import contextvars
 import logging
 import time
 import uuid
@@ -27,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from serve_app.config import AppConfig, ModelConfig
+from serve_app.config import AppConfig, ModelConfig, model_deployment_name
 from serve_app.core.cache import (
     SingleFlight,
     cache_key,
@@ -42,7 +43,8 @@ from serve_app.core.errors import (
     ModelNotFoundError,
     ServeAppError,
 )
-from serve_app.metrics import CacheMetrics
+from serve_app.core.recent import RecentEvents, percentile
+from serve_app.metrics import CacheMetrics, RequestMetrics
 
 logger = logging.getLogger("ray.serve")
 
@@ -167,6 +169,7 @@ def _unwrap(exc: BaseException) -> BaseException:
 
 
 def error_response(exc: ServeAppError, headers: Optional[dict] = None) -> JSONResponse:
+    _note(code=exc.code or exc.error_type)
     return JSONResponse(status_code=exc.status_code, content=exc.to_body(), headers=headers)
 
 
@@ -199,9 +202,99 @@ def _validation_error_response(exc: RequestValidationError) -> JSONResponse:
     return error_response(InvalidRequestError(message, param=param or None, code="invalid_value"))
 
 
+# ---- per-request observation ----------------------------------------------------------
+
+# Filled while a request runs: the model it named (once known to be served), its cache
+# outcome and, for errors, the OpenAI error code. Read by the middleware afterwards.
+_REQUEST_NOTES: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar("serve_app_request", default=None)
+_CACHE_HITS = ("hit", "semantic")
+_CACHE_LOOKUPS = ("hit", "semantic", "miss", "coalesced")
+
+
+def _note(**fields: Any) -> None:
+    notes = _REQUEST_NOTES.get()
+    if notes is not None:
+        notes.update(fields)
+
+
+class Traffic:
+    """Requests per model: Prometheus metrics, and the last minute for /v1/stats. One per
+    router replica, kept on the FastAPI app's state, which is what both the middleware
+    and the endpoints see (Serve copies the app into each replica, so a module global
+    would not be shared with it)."""
+
+    def __init__(self) -> None:
+        self._metrics: Optional[RequestMetrics] = None
+        self.last_minute: dict[str, RecentEvents] = {}
+
+    def observe(self, *, model: Optional[str], endpoint: str, status: int, latency_s: float,
+                cache: Optional[str], code: Optional[str]) -> None:
+        if self._metrics is None:  # created in the replica, where Serve's metric labels exist
+            self._metrics = RequestMetrics()
+        self._metrics.observe(model=model or "none", endpoint=endpoint, status=status, latency_s=latency_s, code=code)
+        if model is not None:
+            self.last_minute.setdefault(model, RecentEvents(60.0)).add(latency_s, status, cache)
+
+    def summary(self, model: str) -> dict:
+        events = self.last_minute[model].recent() if model in self.last_minute else []
+        ok = [latency for _, latency, status, _ in events if status < 400]
+        outcomes = [cache for *_, cache in events if cache in _CACHE_LOOKUPS]
+        return {
+            "requests": len(events),
+            "errors": sum(1 for _, _, status, _ in events if status >= 400),
+            "p50_latency_s": percentile(ok, 50),
+            "p95_latency_s": percentile(ok, 95),
+            "cache_hit_rate": (sum(1 for c in outcomes if c in _CACHE_HITS) / len(outcomes)) if outcomes else None,
+        }
+
+
+def _traffic(app) -> Traffic:
+    traffic = getattr(app.state, "traffic", None)
+    if traffic is None:
+        traffic = app.state.traffic = Traffic()
+    return traffic
+
+
+class RequestObserver:
+    """ASGI middleware: times every request and records it by model, endpoint and status.
+    Pure ASGI rather than BaseHTTPMiddleware, which would add a task per request."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        notes: dict[str, Any] = {"model": None, "cache": None, "code": None}
+        token = _REQUEST_NOTES.set(notes)
+        status = 500
+        started = time.perf_counter()
+
+        async def send_and_note_status(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note_status)
+        finally:
+            _REQUEST_NOTES.reset(token)
+            # The route template, never the raw path: unknown paths must not become labels.
+            route = scope.get("route")
+            endpoint = getattr(route, "path", None) or "unmatched"
+            try:
+                _traffic(scope["app"]).observe(model=notes["model"], endpoint=endpoint, status=status,
+                                latency_s=time.perf_counter() - started, cache=notes["cache"], code=notes["code"])
+            except Exception:  # observing must never fail a request
+                logger.debug("could not record request metrics", exc_info=True)
+
+
 # ---- the ingress ----------------------------------------------------------------------
 
 api = FastAPI(title="serve_app", description="Hugging Face models on Ray Serve, OpenAI-compatible.")
+api.add_middleware(RequestObserver)
 
 
 @api.exception_handler(RequestValidationError)
@@ -257,6 +350,7 @@ class Router:
         if model is None:
             known = ", ".join(sorted(self.models))
             raise ModelNotFoundError(f"model {name!r} does not exist; this service serves: {known}")
+        _note(model=name)
         if model.task != task:
             raise InvalidRequestError(
                 f"model {name!r} is a {model.task} model; {endpoint} needs a {task} model",
@@ -363,6 +457,7 @@ class Router:
         outcome, output = await self._lookup_or_compute(model, payload, params, compute, semantic_text)
         self.cache_outcomes[(model.name, outcome)] += 1
         self.cache_metrics.outcome(model.name, outcome)
+        _note(cache=outcome)
         response.headers["x-cache"] = "miss" if outcome in ("bypass", "coalesced") else outcome
         return output
 
@@ -418,18 +513,50 @@ class Router:
         }
 
     @api.get("/v1/stats")
-    async def stats(self) -> dict:
-        """Batching counters per model (from the replica that answers) and cache counters."""
+    async def stats(self, request: Request) -> dict:
+        """Per model: the last minute at a glance (requests, latency, batching, cache,
+        replicas), then the cumulative batching counters of the replica that answered."""
         names = list(self.models)
-        snapshots = await asyncio.gather(*(self._call(self.models[n], "get_stats") for n in names))
+        snapshots, replicas = await asyncio.gather(
+            asyncio.gather(*(self._call(self.models[n], "get_stats") for n in names)), self._running_replicas()
+        )
         outcomes: dict[str, dict[str, int]] = {}
         for (name, outcome), count in self.cache_outcomes.items():
             outcomes.setdefault(name, {})[outcome] = count
         cache = await self._cache_call("stats", timeout_s=5) if self.cache is not None else None
+        models = {}
+        for name, snapshot in zip(names, snapshots):
+            batching = snapshot.pop("last_minute", None) or {}
+            models[name] = {
+                "last_minute": {
+                    **_traffic(request.app).summary(name),
+                    "mean_batch_rows": batching.get("mean_batch_rows"),
+                    "padding_efficiency": batching.get("padding_efficiency"),
+                    "p95_queue_wait_s": batching.get("p95_queue_wait_s"),
+                    "replicas": replicas.get(name),
+                },
+                **snapshot,
+            }
         return {
-            "models": dict(zip(names, snapshots)),
+            "scope": "last_minute: this router replica's requests and one model replica's batches",
+            "models": models,
             "cache": {**(cache or {}), "router_outcomes": outcomes, "router_cache_errors": self._cache_errors,
                       "coalesced": self.flights.coalesced},
+        }
+
+    async def _running_replicas(self) -> dict[str, Optional[int]]:
+        """RUNNING replicas per model deployment, from the Serve controller."""
+        try:
+            app = serve.get_replica_context().app_name
+            status = await asyncio.wait_for(asyncio.to_thread(serve.status), timeout=5)
+            deployments = status.applications[app].deployments
+        except Exception:  # stats must answer even when the controller is slow
+            logger.debug("could not read replica counts", exc_info=True)
+            return {}
+        return {
+            name: deployments[model_deployment_name(name)].replica_states.get("RUNNING", 0)
+            for name in self.models
+            if model_deployment_name(name) in deployments
         }
 
     @api.delete("/v1/cache/{model_name}")

@@ -27,11 +27,17 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+METRICS_PORT = _free_port()
+
+
 @pytest.fixture(scope="session")
 def serve_instance():
     # Logical CPUs: the fractional replicas below are placed by Ray, while torch
     # threads (set per replica) decide how much of the 2 real cores each uses.
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, namespace="serve_app_tests")
+    # Metrics: Ray's Prometheus endpoint on a known port, reported every second
+    # (default 10 s) so the scrape test need not wait long.
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, namespace="serve_app_tests",
+             _metrics_export_port=METRICS_PORT, _system_config={"metrics_report_interval_ms": 1000})
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
@@ -39,6 +45,11 @@ def serve_instance():
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def metrics_url(serve_instance) -> str:
+    return f"http://127.0.0.1:{METRICS_PORT}/metrics"
 
 
 def tiny_app_args(embedding_dir, classifier_dir, llama_dir, vit_dir) -> dict:
@@ -134,15 +145,24 @@ def redeploy(deployed, tiny_app):
     deploy_config([tiny_app, local_app_config()])
 
 
-@pytest.fixture()
-def redeploy_apps(deployed, tiny_app):
-    """Deploy extra applications beside the session's two; removed afterwards."""
-
+def _extra_apps(tiny_app):
     def apply(extra_apps: list[dict]) -> None:
         deploy_config([tiny_app, local_app_config(), *extra_apps])
 
     yield apply
     deploy_config([tiny_app, local_app_config()])
+
+
+@pytest.fixture()
+def redeploy_apps(deployed, tiny_app):
+    """Deploy extra applications beside the session's two; removed afterwards."""
+    yield from _extra_apps(tiny_app)
+
+
+@pytest.fixture(scope="module")
+def redeploy_apps_module(deployed, tiny_app):
+    """redeploy_apps for a whole test module."""
+    yield from _extra_apps(tiny_app)
 
 
 @pytest.fixture(scope="session")

@@ -9,6 +9,8 @@ import httpx
 import pytest
 from ray import serve
 
+from serving_apps import profiled_app
+
 pytestmark = pytest.mark.integration
 
 HOUR_S = 3.0  # real seconds per simulated hour: a day in 72 s
@@ -44,24 +46,7 @@ def test_policy_follows_three_windows_of_a_compressed_day(redeploy_apps, tiny_be
             _window("evening", "18:00", "24:00", 1),
         ],
     }
-    app = {
-        "name": "daily",
-        "route_prefix": "/daily",
-        "import_path": "serve_app.app:build_app",
-        "args": {
-            "router": {"num_cpus": 0.05},
-            "cache": {"enabled": False},
-            "load_profiles": {"compressed-day": profile},
-            "models": [{
-                "name": "tiny-embed",
-                "source": str(tiny_bert_embedding_dir),
-                "task": "embedding",
-                "load_profile": "compressed-day",
-                "resources": {"num_cpus": 0.05, "torch_threads": 1},
-            }],
-        },
-    }
-    redeploy_apps([app])
+    redeploy_apps([profiled_app("daily", tiny_bert_embedding_dir, profile)])
 
     # Sample the running replicas until well into the simulated evening (18:00).
     timeline: list[tuple[float, int]] = []
