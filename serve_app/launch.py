@@ -16,10 +16,6 @@ import signal
 import sys
 
 
-def _interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m serve_app.launch", description=__doc__.split("\n\n")[0])
     parser.add_argument("config", help="a Serve config file, e.g. deployments/local.yaml")
@@ -29,12 +25,23 @@ def main(argv: list[str] | None = None) -> int:
     # Ray 2.60 turns on token auth for local clusters; the local demo runs without it.
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
+    from ray import serve
     from ray.serve._private.constants import SERVE_NAMESPACE
     from ray.serve.scripts import cli
 
     ray.init(namespace=SERVE_NAMESPACE, _metrics_export_port=args.metrics_export_port)
-    # `kill <pid>` stops it as Ctrl-C does: Serve shuts down, then the local Ray.
-    signal.signal(signal.SIGTERM, _interrupt)
+
+    def stop(signum, frame) -> None:
+        # `kill <pid>`: shut Serve and the local Ray down here, as Ctrl-C does through
+        # `serve run`; otherwise Ray's own handler exits and leaves its processes behind.
+        print(f"signal {signum}: shutting down Serve and the local Ray", flush=True)
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+            os._exit(0)
+
+    signal.signal(signal.SIGTERM, stop)
     print(f"Prometheus metrics: http://127.0.0.1:{args.metrics_export_port}/metrics", flush=True)
     try:
         cli.main(["run", args.config, *serve_run_args], prog_name="serve", standalone_mode=False)
