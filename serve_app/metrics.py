@@ -86,63 +86,45 @@ class BatchMetrics:
     after it, which is where padding and waiting for a busy model happen."""
 
     def __init__(self, model: str) -> None:
-        tags = {"model": model}
-        self.queue_wait = metrics.Histogram(
-            "serve_app_queue_wait_seconds",
-            description="Per input: from arrival at the replica to the start of its model batch.",
-            boundaries=[0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30],
-            tag_keys=("model",),
+        def histogram(name: str, description: str, boundaries: list[float]) -> metrics.Histogram:
+            metric = metrics.Histogram(name, description=description, boundaries=boundaries, tag_keys=("model",))
+            # A fresh dict each time: Serve adds its replica labels to the dict it is given.
+            metric.set_default_tags({"model": model})
+            return metric
+
+        def counter(name: str, description: str) -> metrics.Counter:
+            metric = metrics.Counter(name, description=description, tag_keys=("model",))
+            metric.set_default_tags({"model": model})
+            return metric
+
+        sizes = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+        self.queue_wait = histogram(
+            "serve_app_queue_wait_seconds", "Per input: from arrival at the replica to the start of its model batch.",
+            [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30],
         )
-        self.batch_rows = metrics.Histogram(
-            "serve_app_batch_rows",
-            description="Inputs (rows) per model batch, before it is split into sub-batches.",
-            boundaries=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512],
-            tag_keys=("model",),
+        self.batch_rows = histogram(
+            "serve_app_batch_rows", "Inputs (rows) per model batch, before it is split into sub-batches.", sizes
         )
-        self.sub_batches = metrics.Histogram(
-            "serve_app_batch_sub_batches",
-            description="Length-sorted sub-batches (model calls) per model batch.",
-            boundaries=[1, 2, 3, 4, 6, 8, 12, 16],
-            tag_keys=("model",),
+        self.sub_batches = histogram(
+            "serve_app_batch_sub_batches", "Length-sorted sub-batches (model calls) per model batch.",
+            [1, 2, 3, 4, 6, 8, 12, 16],
         )
-        self.call_rows = metrics.Histogram(
-            "serve_app_model_call_rows",
-            description="Rows per model call (one sub-batch).",
-            boundaries=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512],
-            tag_keys=("model",),
-        )
-        self.call_tokens = metrics.Histogram(
+        self.call_rows = histogram("serve_app_model_call_rows", "Rows per model call (one sub-batch).", sizes)
+        self.call_tokens = histogram(
             "serve_app_model_call_tokens",
-            description="Real (unpadded) input tokens per model call; for generation, prompt plus max_tokens.",
-            boundaries=[16, 64, 256, 1024, 4096, 16384, 65536],
-            tag_keys=("model",),
+            "Real (unpadded) input tokens per model call; for generation, prompt plus max_tokens.",
+            [16, 64, 256, 1024, 4096, 16384, 65536],
         )
-        self.padding_efficiency = metrics.Histogram(
-            "serve_app_padding_efficiency",
-            description="Real tokens / padded tokens per model call (1.0: no padding).",
-            boundaries=[0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0],
-            tag_keys=("model",),
+        self.padding_efficiency = histogram(
+            "serve_app_padding_efficiency", "Real tokens / padded tokens per model call (1.0: no padding).",
+            [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0],
         )
-        self.generated_tokens = metrics.Counter(
-            "serve_app_generated_tokens", description="Tokens generated (completion tokens).", tag_keys=("model",)
-        )
+        self.generated_tokens = counter("serve_app_generated_tokens", "Tokens generated (completion tokens).")
         # Exact totals for means and ratios. Ray 2.60's agent rebuilds a histogram's _sum
         # from bucket midpoints, so _sum / _count is only approximate (a 1-row batch
         # reads as 0.5 rows); rate(rows) / rate(batches) is exact.
-        self.rows = metrics.Counter("serve_app_rows", description="Inputs run by the model.", tag_keys=("model",))
-        self.batches = metrics.Counter("serve_app_batches", description="Model batches run.", tag_keys=("model",))
-        self.model_calls = metrics.Counter(
-            "serve_app_model_calls", description="Model calls (sub-batches) run.", tag_keys=("model",)
-        )
-        self.real_tokens = metrics.Counter(
-            "serve_app_real_tokens", description="Real input tokens in model calls.", tag_keys=("model",)
-        )
-        self.padded_tokens = metrics.Counter(
-            "serve_app_padded_tokens", description="Padded input tokens in model calls (real + padding).",
-            tag_keys=("model",),
-        )
-        for metric in (self.queue_wait, self.batch_rows, self.sub_batches, self.call_rows, self.call_tokens,
-                       self.padding_efficiency, self.generated_tokens, self.rows, self.batches, self.model_calls,
-                       self.real_tokens, self.padded_tokens):
-            # A fresh dict each time: Serve adds its replica labels to the dict it is given.
-            metric.set_default_tags(dict(tags))
+        self.rows = counter("serve_app_rows", "Inputs run by the model.")
+        self.batches = counter("serve_app_batches", "Model batches run.")
+        self.model_calls = counter("serve_app_model_calls", "Model calls (sub-batches) run.")
+        self.real_tokens = counter("serve_app_real_tokens", "Real input tokens in model calls.")
+        self.padded_tokens = counter("serve_app_padded_tokens", "Padded input tokens in model calls (real + padding).")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import time
+import uuid
 from pathlib import Path
 
 import httpx
@@ -58,12 +59,15 @@ def _samples(text: str) -> dict[str, list[tuple[dict, float]]]:
 
 
 def _traffic(client: httpx.Client) -> None:
+    # Inputs no other test sends, so the session's cache cannot answer them.
+    fresh = uuid.uuid4().hex[:8]
     for i in range(6):
-        client.post("/v1/embeddings", json={"model": "tiny-embed", "input": [f"text {i}", "a longer text " * (i + 1)]})
+        client.post("/v1/embeddings",
+                    json={"model": "tiny-embed", "input": [f"text {i} {fresh}", f"a longer text {fresh} " * (i + 1)]})
     for _ in range(2):  # the second is a cache hit
         client.post("/v1/chat/completions", json={"model": "tiny-llama", "max_tokens": 4, "temperature": 0,
-                                                  "messages": [{"role": "user", "content": "metrics please"}]})
-    client.post("/v1/classify", json={"model": "tiny-classifier", "input": "great"})
+                                                  "messages": [{"role": "user", "content": f"metrics {fresh}"}]})
+    client.post("/v1/classify", json={"model": "tiny-classifier", "input": f"great {fresh}"})
     bad = client.post("/v1/completions", json={"model": "tiny-llama", "prompt": "x", "max_tokens": 10_000})
     assert bad.status_code == 400
 
