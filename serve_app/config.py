@@ -402,6 +402,25 @@ class RouterConfig(_Section):
     request_timeout_s: float = Field(
         120.0, gt=0, description="A request still unanswered after this many seconds gets HTTP 504."
     )
+    max_body_bytes: int = Field(
+        16 * 2**20, ge=1024, description="Largest request body accepted; larger ones get HTTP 413 unread."
+    )
+
+
+class AuthConfig(_Section):
+    """API keys (off by default). Keys live in environment variables or files, never in
+    the YAML; admin keys may call everything, user keys all but the admin endpoints."""
+
+    enabled: bool = Field(False, description="Require 'Authorization: Bearer <key>' on every endpoint but /healthz.")
+    api_keys_env: Optional[str] = Field(
+        "SERVE_APP_API_KEYS", description="Environment variable with comma-separated user keys."
+    )
+    api_keys_file: Optional[str] = Field(None, description="File with one user key per line ('#' comments).")
+    admin_keys_env: Optional[str] = Field(
+        "SERVE_APP_ADMIN_KEYS",
+        description="Environment variable with comma-separated admin keys (for /v1/stats and DELETE /v1/cache).",
+    )
+    admin_keys_file: Optional[str] = Field(None, description="File with one admin key per line.")
 
 
 class AppConfig(_Section):
@@ -410,6 +429,7 @@ class AppConfig(_Section):
     models: list[ModelConfig] = Field(min_length=1, description="The models to serve; names must be unique.")
     router: RouterConfig = Field(default_factory=RouterConfig, description="HTTP ingress settings.")
     cache: CacheConfig = Field(default_factory=CacheConfig, description="The response cache deployment.")
+    auth: AuthConfig = Field(default_factory=AuthConfig, description="API keys for the HTTP API.")
     load_profiles: dict[str, LoadProfileConfig] = Field(
         default_factory=dict, description="Named daily load profiles that models refer to in load_profile."
     )
@@ -533,6 +553,7 @@ def reference_markdown() -> str:
         ("args.models[].cache", ModelCacheConfig),
         ("args.models[].cache.semantic", SemanticCacheConfig),
         ("args.cache", CacheConfig),
+        ("args.auth", AuthConfig),
         ("args.load_profiles.<name>", LoadProfileConfig),
         ("args.load_profiles.<name>.windows[]", WindowConfig),
         ("args.load_profiles.<name>.clock", SimulatedClockConfig),

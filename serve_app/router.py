@@ -13,6 +13,7 @@ import asyncio
 import base64
 import binascii
 import contextvars
+import importlib
 import logging
 import time
 import uuid
@@ -23,12 +24,14 @@ import cachetools
 import numpy as np
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from serve_app.config import AppConfig, ModelConfig, model_deployment_name
+from serve_app.core.auth import ApiKeys
 from serve_app.core.cache import (
     SingleFlight,
     cache_key,
@@ -39,8 +42,10 @@ from serve_app.core.cache import (
 )
 from serve_app.core.errors import (
     DeadlineExceededError,
+    HTTPStatusError,
     InvalidRequestError,
     ModelNotFoundError,
+    PayloadTooLargeError,
     ServeAppError,
 )
 from serve_app.core.recent import RecentEvents, percentile
@@ -291,9 +296,78 @@ class RequestObserver:
                 logger.debug("could not record request metrics", exc_info=True)
 
 
+class _GuardState:
+    keys: Optional[ApiKeys] = None  # None: auth is off
+    max_body_bytes: Optional[int] = None
+
+
+# Set by Router.__init__ through the imported module (see there), read by IngressGuard.
+GUARD = _GuardState()
+_PUBLIC_PATHS = ("/healthz",)
+_ADMIN_PREFIXES = ("/v1/stats", "/v1/cache/")
+
+
+class IngressGuard:
+    """ASGI middleware: what arrives is checked before anything else runs. A body over
+    the size limit is refused unread (413); then the API key (401/403), so a caller
+    without a key learns nothing from validation errors either."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        try:
+            receive = self._limit_body(scope, receive)
+            self._authorize(scope)
+        except ServeAppError as exc:
+            headers = {"WWW-Authenticate": "Bearer"} if exc.status_code == 401 else None
+            await error_response(exc, headers)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    @staticmethod
+    def _limit_body(scope, receive):
+        limit = GUARD.max_body_bytes
+        if limit is None:
+            return receive
+        length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
+        too_large = PayloadTooLargeError(f"request body is over the {limit}-byte limit")
+        if length is not None and length.isdigit() and int(length) > limit:
+            raise too_large
+        seen = 0
+
+        async def counting_receive():  # chunked bodies carry no length: count as they come
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > limit:
+                raise too_large
+            return message
+
+        return counting_receive
+
+    @staticmethod
+    def _authorize(scope) -> None:
+        keys = GUARD.keys
+        if keys is None:
+            return
+        path, root = scope["path"], scope.get("root_path", "")
+        if root and path.startswith(root):
+            path = path[len(root):] or "/"
+        if path in _PUBLIC_PATHS:
+            return
+        header = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), None)
+        keys.authorize(header, admin=path.startswith(_ADMIN_PREFIXES))
+
+
 # ---- the ingress ----------------------------------------------------------------------
 
 api = FastAPI(title="serve_app", description="Hugging Face models on Ray Serve, OpenAI-compatible.")
+# The last added runs first: the observer records every request, refused ones included.
+api.add_middleware(IngressGuard)
 api.add_middleware(RequestObserver)
 
 
@@ -305,6 +379,17 @@ async def _on_validation_error(request: Request, exc: RequestValidationError):
 @api.exception_handler(ServeAppError)
 async def _on_serve_app_error(request: Request, exc: ServeAppError):
     return error_response(exc)
+
+
+@api.exception_handler(StarletteHTTPException)
+async def _on_http_error(request: Request, exc: StarletteHTTPException):
+    # Starlette's own answers (unknown path, wrong method, unreadable body) in the same
+    # OpenAI error shape as ours. A body cut off by IngressGuard's limit arrives here too.
+    if isinstance(exc.__cause__, ServeAppError):
+        return error_response(exc.__cause__)
+    codes = {404: "not_found", 405: "method_not_allowed"}
+    error = HTTPStatusError(exc.status_code, str(exc.detail), code=codes.get(exc.status_code, "http_error"))
+    return error_response(error, getattr(exc, "headers", None))
 
 
 @api.exception_handler(Exception)
@@ -327,6 +412,16 @@ class Router:
     ):
         self.config = AppConfig.model_validate(app_config)
         self.models: dict[str, ModelConfig] = {m.name: m for m in self.config.models}
+        auth = self.config.auth
+        keys = None
+        if auth.enabled:  # no keys found fails the replica's start, naming where it looked
+            keys = ApiKeys.load(user_env=auth.api_keys_env, user_file=auth.api_keys_file,
+                                admin_env=auth.admin_keys_env, admin_file=auth.admin_keys_file)
+        # Serve pickles this class's methods by value, each with a copy of the module
+        # globals it uses; the middleware runs against the real module, so reach it there.
+        guard = importlib.import_module(__name__).GUARD
+        guard.keys, guard.max_body_bytes = keys, self.config.router.max_body_bytes
+        logger.info("API keys: %s", "required" if keys else "off")
         self.handles = model_handles
         self.cache = cache_handle if self.config.cache.enabled else None
         self.created = int(time.time())

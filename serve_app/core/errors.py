@@ -74,3 +74,47 @@ class DeadlineExceededError(ServeAppError):
 
     status_code = 504
     error_type = "timeout_error"
+
+
+class AuthenticationError(ServeAppError):
+    """No API key, or one this service does not know (HTTP 401)."""
+
+    status_code = 401
+    error_type = "invalid_request_error"
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = "invalid_api_key"):
+        super().__init__(message, param=param, code=code)
+
+
+class PermissionDeniedError(ServeAppError):
+    """A valid key without the rights for this endpoint (HTTP 403)."""
+
+    status_code = 403
+    error_type = "permission_error"
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = "admin_key_required"):
+        super().__init__(message, param=param, code=code)
+
+
+class PayloadTooLargeError(ServeAppError):
+    """The request body is over the configured size limit (HTTP 413)."""
+
+    status_code = 413
+    error_type = "invalid_request_error"
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = "request_too_large"):
+        super().__init__(message, param=param, code=code)
+
+
+class HTTPStatusError(ServeAppError):
+    """A client error the web framework decided (unknown path, wrong method), carried in
+    the same OpenAI error shape as ours."""
+
+    error_type = "invalid_request_error"
+
+    def __init__(self, status_code: int, message: str, *, code: str | None = None):
+        super().__init__(message, code=code)
+        self.status_code = status_code
+
+    def __reduce__(self):
+        return (HTTPStatusError, (self.status_code, self.message), {"code": self.code, "param": self.param})

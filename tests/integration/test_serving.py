@@ -141,6 +141,36 @@ def test_invalid_json_and_nan(client):
     assert client.get("/healthz").status_code == 200
 
 
+def _raw_error(response: httpx.Response, status: int, code: str) -> dict:
+    error = _error(response, status)
+    assert error["code"] == code, error
+    return error
+
+
+def test_framework_level_errors_have_the_same_shape(client):
+    """Bodies and paths refused before any endpoint runs still answer in OpenAI's shape."""
+    json_header = {"content-type": "application/json"}
+    # Over router.max_body_bytes (16 MiB by default): refused from its Content-Length, unread.
+    big = b'{"model": "tiny-embed", "input": "' + b"a" * (16 * 2**20) + b'"}'
+    _raw_error(client.post("/v1/embeddings", content=big, headers=json_header), 413, "request_too_large")
+
+    # The same body sent chunked (no Content-Length) is cut off once the limit passes.
+    def chunks():
+        yield b'{"model": "tiny-embed", "input": "'
+        for _ in range(17):
+            yield b"a" * 2**20
+        yield b'"}'
+
+    _raw_error(client.post("/v1/embeddings", content=chunks(), headers=json_header), 413, "request_too_large")
+    _raw_error(client.get("/v1/nothing-here"), 404, "not_found")
+    _raw_error(client.get("/v1/embeddings"), 405, "method_not_allowed")
+    deep = b'{"model": "tiny-embed", "input": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    assert client.post("/v1/embeddings", content=deep, headers=json_header).status_code == 400
+    bad_utf8 = b'{"model": "tiny-embed", "input": "' + bytes([0xFF, 0xFE]) + b'"}'
+    assert client.post("/v1/embeddings", content=bad_utf8, headers=json_header).status_code == 400
+    assert client.get("/healthz").status_code == 200
+
+
 def test_openai_client_works_unchanged(tiny_service):
     openai = pytest.importorskip("openai")
     api = openai.OpenAI(base_url=f"{tiny_service}/v1", api_key="unused")
