@@ -63,6 +63,8 @@ def _model_deployment(model: ModelConfig, config: AppConfig) -> Application:
         name=model_deployment_name(model.name),
         **replicas,
         max_ongoing_requests=model.max_ongoing_requests,
+        # Bounded: past it the router answers 503 at once instead of queueing forever.
+        max_queued_requests=model.max_queued_requests,
         ray_actor_options=actor_options,
         # Batching knobs travel as user_config. Overriding them in the Serve config
         # file's `deployments:` section (see README) reaches live replicas through
@@ -92,6 +94,7 @@ def router_app(config: AppConfig, model_apps: dict[str, Application], cache_app:
         name="Router",
         num_replicas=config.router.num_replicas,
         max_ongoing_requests=config.router.max_ongoing_requests,
+        max_queued_requests=config.router.max_queued_requests,
         ray_actor_options={"num_cpus": config.router.num_cpus, "resources": config.router.ray_resources},
     ).bind(config.model_dump(), model_apps, cache_app)
 

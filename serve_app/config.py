@@ -330,6 +330,12 @@ class ModelConfig(_Section):
         ge=1,
         description="Requests one replica accepts at once (Ray Serve); must cover max_batch_size so batches can fill.",
     )
+    max_queued_requests: int = Field(
+        512,
+        ge=1,
+        description="Requests each router replica may queue for this model once every replica holds "
+        "max_ongoing_requests; past it the router answers 503 with Retry-After at once.",
+    )
     max_inputs_per_request: int = Field(
         256, ge=1, description="Most inputs (texts, images, prompts) one HTTP request may carry."
     )
@@ -401,6 +407,16 @@ class RouterConfig(_Section):
     )
     request_timeout_s: float = Field(
         120.0, gt=0, description="A request still unanswered after this many seconds gets HTTP 504."
+    )
+    max_queued_requests: int = Field(
+        2048, ge=1, description="Requests the HTTP proxy may queue for the router; past it, 503 at once."
+    )
+    retry_after_s: int = Field(1, ge=1, description="Retry-After, in seconds, on a 503 for a full queue.")
+    replica_retries: int = Field(
+        2,
+        ge=0,
+        description="Times a request is retried on another replica when the model replica serving it dies "
+        "(inference is idempotent); with backoff 0.1 s, 0.2 s, ...",
     )
     max_body_bytes: int = Field(
         16 * 2**20, ge=1024, description="Largest request body accepted; larger ones get HTTP 413 unread."

@@ -28,6 +28,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ray import serve
+from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
 from serve_app.config import AppConfig, ModelConfig, model_deployment_name
@@ -45,6 +47,7 @@ from serve_app.core.errors import (
     HTTPStatusError,
     InvalidRequestError,
     ModelNotFoundError,
+    OverloadedError,
     PayloadTooLargeError,
     ServeAppError,
 )
@@ -175,7 +178,7 @@ def _unwrap(exc: BaseException) -> BaseException:
 
 def error_response(exc: ServeAppError, headers: Optional[dict] = None) -> JSONResponse:
     _note(code=exc.code or exc.error_type)
-    return JSONResponse(status_code=exc.status_code, content=exc.to_body(), headers=headers)
+    return JSONResponse(status_code=exc.status_code, content=exc.to_body(), headers={**exc.headers(), **(headers or {})})
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
@@ -436,6 +439,7 @@ class Router:
         self._background: set[asyncio.Task] = set()
         self._revisions: dict[str, tuple[str, float]] = {}
         self.cache_outcomes: Counter = Counter()
+        self.replica_retries: Counter = Counter()  # per model: calls retried after a replica died
         self.cache_metrics = CacheMetrics()
         self._cache_errors = 0
         self._cache_error_logged_at = 0.0
@@ -455,19 +459,38 @@ class Router:
         return model
 
     async def _call(self, model: ModelConfig, method: str, *args, **kwargs) -> Any:
-        response = getattr(self.handles[model.name], method).remote(*args, **kwargs)
-        try:
-            return await asyncio.wait_for(response, timeout=self.config.router.request_timeout_s)
-        except asyncio.TimeoutError:
-            response.cancel()
-            raise DeadlineExceededError(
-                f"model {model.name!r} did not answer within {self.config.router.request_timeout_s}s", code="timeout"
-            ) from None
-        except Exception as exc:
-            original = _unwrap(exc)
-            if isinstance(original, ServeAppError):
-                raise original from None
-            raise
+        """One model call with the request's deadline. A full queue is a 503 at once; a
+        replica that dies under the call is retried on another (inference has no side
+        effects), a bounded number of times with backoff, while Ray restarts it."""
+        router = self.config.router
+        deadline = time.monotonic() + router.request_timeout_s
+        for attempt in range(router.replica_retries + 1):
+            response = getattr(self.handles[model.name], method).remote(*args, **kwargs)
+            try:
+                return await asyncio.wait_for(response, timeout=max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                response.cancel()
+                raise DeadlineExceededError(
+                    f"model {model.name!r} did not answer within {router.request_timeout_s}s", code="timeout"
+                ) from None
+            except (RayActorError, ActorUnavailableError) as exc:
+                if attempt == router.replica_retries:
+                    raise
+                self.replica_retries[model.name] += 1
+                logger.warning("model %s: replica lost mid-request (%s); retry %d of %d",
+                               model.name, type(exc).__name__, attempt + 1, router.replica_retries)
+                await asyncio.sleep(0.1 * 2**attempt)
+            except Exception as exc:
+                original = _unwrap(exc)
+                if isinstance(original, ServeAppError):
+                    raise original from None
+                if isinstance(original, BackPressureError):
+                    raise OverloadedError(
+                        f"model {model.name!r} is at capacity (its queue is full); retry after {router.retry_after_s}s",
+                        retry_after_s=router.retry_after_s,
+                    ) from None
+                raise
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
     # ---- caching ----------------------------------------------------------------------
 
@@ -635,6 +658,7 @@ class Router:
         return {
             "scope": "last_minute: this router replica's requests and one model replica's batches",
             "models": models,
+            "replica_retries": dict(self.replica_retries),
             "cache": {**(cache or {}), "router_outcomes": outcomes, "router_cache_errors": self._cache_errors,
                       "coalesced": self.flights.coalesced},
         }

@@ -23,6 +23,10 @@ class ServeAppError(Exception):
     def __reduce__(self):
         return (_rebuild, (type(self), self.message, self.param, self.code))
 
+    def headers(self) -> dict[str, str]:
+        """Extra response headers this error calls for."""
+        return {}
+
     def to_body(self) -> dict:
         return {
             "error": {
@@ -67,6 +71,20 @@ class OverloadedError(ServeAppError):
 
     status_code = 503
     error_type = "overloaded_error"
+
+    def __init__(self, message: str, *, retry_after_s: int = 1, param: str | None = None, code: str | None = "overloaded"):
+        super().__init__(message, param=param, code=code)
+        self.retry_after_s = retry_after_s
+
+    def __reduce__(self):
+        return (_rebuild_overloaded, (self.message, self.retry_after_s, self.code))
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after_s)}
+
+
+def _rebuild_overloaded(message, retry_after_s, code):
+    return OverloadedError(message, retry_after_s=retry_after_s, code=code)
 
 
 class DeadlineExceededError(ServeAppError):
