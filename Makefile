@@ -41,7 +41,7 @@ unit: install
 integration: install
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests/integration
 
-# All benchmark scenarios, quick mode (~10 min on 2 cores); results in benchmark-results/.
+# All benchmark scenarios, quick mode (~13 min on 2 cores, the day replay included); results in benchmark-results/.
 bench: install
 	$(BIN)/python -m benchmarks run --scenario all --quick --out benchmark-results
 

@@ -15,7 +15,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run scenarios and write results.json, results.md and plots")
     run.add_argument("--scenario", default="all", help="a scenario name, a comma-separated list, or 'all'")
-    run.add_argument("--quick", action="store_true", help="fewer requests per point (all scenarios in ~10 min on 2 cores)")
+    run.add_argument("--quick", action="store_true", help="fewer requests per point (all scenarios in ~13 min on 2 cores)")
     run.add_argument("--config", default="deployments/local.yaml", help="deployments file whose models are benchmarked")
     run.add_argument("--precision", choices=["fp32", "bf16", "fp16"], help="override the models' precision")
     run.add_argument("--torch-threads", type=int, default=1, help="torch threads per model replica (and for the in-process ceiling)")

@@ -81,14 +81,20 @@ def scrape(deployed, redeploy_apps_module, metrics_url, tiny_bert_embedding_dir)
                                        {"windows": [window], "look_back_period_s": 2})])
     with httpx.Client(base_url=deployed, timeout=60) as client:
         _traffic(client)
-    # Replicas push metrics every second; the agent exports what it has received.
+    # Replicas push metrics every second; the agent exports what it has received, and
+    # drops a series that has not changed for a while. So keep every sample seen by any
+    # scrape until each metric (and each model's batching series) has shown up.
+    seen: dict[str, list[tuple[dict, float]]] = {}
     deadline = time.monotonic() + 90
     while True:
-        samples = _samples(httpx.get(metrics_url, timeout=10).text)
-        missing = [n for n in NONZERO if not any(v > 0 for _, v in samples.get(n, []))]
-        missing += [n for n in PRESENT if n not in samples]
+        for name, values in _samples(httpx.get(metrics_url, timeout=10).text).items():
+            seen.setdefault(name, []).extend(values)
+        missing = [n for n in NONZERO if not any(v > 0 for _, v in seen.get(n, []))]
+        missing += [n for n in PRESENT if n not in seen]
+        batched = {labels.get("model") for labels, v in seen.get("ray_serve_app_batch_rows_count", []) if v}
+        missing += [f"batches of {m}" for m in ("tiny-embed", "tiny-llama", "tiny-classifier") if m not in batched]
         if not missing or time.monotonic() > deadline:
-            return {"samples": samples, "missing": missing}
+            return {"samples": seen, "missing": missing}
         time.sleep(2)
 
 
