@@ -57,10 +57,17 @@ class CacheServer:
         self._gauge_task = asyncio.create_task(self._refresh_gauges_forever())
         logger.info("cache store: %s (ttl %ss)", self.config.store, self.config.ttl_s)
 
-    async def _refresh_gauges(self) -> None:
+    async def _refresh_gauges(self) -> dict:
+        """Read the store's figures once, set the gauges from them, and return them."""
         inner = self.store.inner
-        self.metrics.update(evictions=getattr(inner, "evictions", None), size_bytes=await self.store.size_bytes(),
-                            entries=len(inner) if isinstance(inner, MemoryStore) else None, store_errors=self.store.errors)
+        figures = {
+            "evictions": getattr(inner, "evictions", None),
+            "size_bytes": await self.store.size_bytes(),
+            "entries": len(inner) if isinstance(inner, MemoryStore) else None,
+            "store_errors": self.store.errors,
+        }
+        self.metrics.update(**figures)
+        return figures
 
     async def _refresh_gauges_forever(self, period_s: float = GAUGE_REFRESH_S) -> None:
         while True:
@@ -105,17 +112,16 @@ class CacheServer:
         return {"model": model, "entries": entries, "vectors": vectors}
 
     async def stats(self) -> dict:
-        inner = self.store.inner
-        await self._refresh_gauges()
+        figures = await self._refresh_gauges()
         return {
             "store": self.config.store,
             **self.counts,
-            "store_errors": self.store.errors,
+            "store_errors": figures["store_errors"],
             "store_skipped": self.store.skipped,
             "store_healthy": self.store.healthy,
-            "evictions": getattr(inner, "evictions", None),
-            "expirations": getattr(inner, "expirations", None),
-            "entries": len(inner) if isinstance(inner, MemoryStore) else None,
-            "bytes": await self.store.size_bytes(),
+            "evictions": figures["evictions"],
+            "expirations": getattr(self.store.inner, "expirations", None),
+            "entries": figures["entries"],
+            "bytes": figures["size_bytes"],
             "semantic_vectors": len(self.semantic),
         }
