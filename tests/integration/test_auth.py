@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
+from serving_apps import SMALL, extra_app
 
 pytestmark = pytest.mark.integration
 
@@ -15,18 +16,12 @@ def secured(deployed, redeploy_apps_module, tiny_bert_embedding_dir, tmp_path_fa
     folder = tmp_path_factory.mktemp("keys")
     (folder / "user.keys").write_text(f"{USER}\n")
     (folder / "admin.keys").write_text(f"# admins\n{ADMIN}\n")
-    redeploy_apps_module([{
-        "name": "secured",
-        "route_prefix": "/secured",
-        "import_path": "serve_app.app:build_app",
-        "args": {
-            "router": {"num_cpus": 0.05},
-            "auth": {"enabled": True, "api_keys_env": None, "admin_keys_env": None,
-                     "api_keys_file": str(folder / "user.keys"), "admin_keys_file": str(folder / "admin.keys")},
-            "models": [{"name": "tiny-embed", "source": str(tiny_bert_embedding_dir), "task": "embedding",
-                        "resources": {"num_cpus": 0.05, "torch_threads": 1}}],
-        },
-    }])
+    redeploy_apps_module([extra_app(
+        "secured",
+        {"name": "tiny-embed", "source": str(tiny_bert_embedding_dir), "task": "embedding", "resources": SMALL},
+        auth={"enabled": True, "api_keys_env": None, "admin_keys_env": None,
+              "api_keys_file": str(folder / "user.keys"), "admin_keys_file": str(folder / "admin.keys")},
+    )])
     with httpx.Client(base_url=f"{deployed}/secured", timeout=60) as client:
         yield client
 

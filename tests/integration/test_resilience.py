@@ -10,28 +10,20 @@ import time
 import httpx
 import pytest
 import ray
+from serving_apps import SMALL, extra_app
 
 pytestmark = pytest.mark.integration
 
 
-def _app(name: str, model: dict, router: dict | None = None) -> dict:
-    return {
-        "name": name,
-        "route_prefix": f"/{name}",
-        "import_path": "serve_app.app:build_app",
-        "args": {"router": {"num_cpus": 0.05, **(router or {})}, "cache": {"enabled": False}, "models": [model]},
-    }
-
-
 def test_overload_answers_503_with_retry_after_and_nothing_hangs(redeploy_apps, tiny_llama_dir, deployed):
     # One replica that runs 2 requests at once and lets each router queue 2 more.
-    redeploy_apps([_app("overload", {
+    redeploy_apps([extra_app("overload", {
         "name": "tiny-llama", "source": str(tiny_llama_dir), "task": "text-generation",
         "max_ongoing_requests": 2, "max_queued_requests": 2,
         "batching": {"max_batch_size": 2, "batch_wait_timeout_s": 0.05},
         "generation": {"default_max_tokens": 32, "max_tokens_limit": 64},
-        "resources": {"num_cpus": 0.05, "torch_threads": 1},
-    }, router={"retry_after_s": 2})])
+        "resources": SMALL,
+    }, router={"retry_after_s": 2}, cache={"enabled": False})])
 
     async def burst() -> list[tuple[int, dict, float]]:
         async with httpx.AsyncClient(base_url=f"{deployed}/overload", timeout=120) as client:
@@ -61,12 +53,12 @@ def _replica_actors(app: str, deployment: str) -> list:
 
 
 def test_killing_a_replica_mid_traffic_loses_no_request(redeploy_apps, tiny_bert_embedding_dir, deployed):
-    redeploy_apps([{**_app("resilient", {
+    redeploy_apps([extra_app("resilient", {
         "name": "tiny-embed", "source": str(tiny_bert_embedding_dir), "task": "embedding", "num_replicas": 2,
         # Requests wait in the replica a little, so the kill finds some in flight.
         "batching": {"max_batch_size": 8, "batch_wait_timeout_s": 0.05},
-        "resources": {"num_cpus": 0.05, "torch_threads": 1},
-    })}])
+        "resources": SMALL,
+    }, cache={"enabled": False})])
     replicas = _replica_actors("resilient", "ModelServer-tiny-embed")
     assert len(replicas) == 2
 
