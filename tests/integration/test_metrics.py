@@ -83,7 +83,7 @@ def scrape(deployed, redeploy_apps_module, metrics_url, tiny_bert_embedding_dir)
         _traffic(client)
     # Replicas push metrics every second; the agent exports what it has received, and
     # drops a series that has not changed for a while. So keep every sample seen by any
-    # scrape until each metric (and each model's batching series) has shown up.
+    # scrape until each metric, and each series the test checks below, has shown up.
     seen: dict[str, list[tuple[dict, float]]] = {}
     deadline = time.monotonic() + 90
     while True:
@@ -93,6 +93,12 @@ def scrape(deployed, redeploy_apps_module, metrics_url, tiny_bert_embedding_dir)
         missing += [n for n in PRESENT if n not in seen]
         batched = {labels.get("model") for labels, v in seen.get("ray_serve_app_batch_rows_count", []) if v}
         missing += [f"batches of {m}" for m in ("tiny-embed", "tiny-llama", "tiny-classifier") if m not in batched]
+        # The series of this test's own traffic, not just any series of each metric:
+        # other tests' errors and cache outcomes may have arrived first.
+        errors = {(lb.get("model"), lb.get("status")) for lb, v in seen.get("ray_serve_app_errors_total", []) if v}
+        missing += [] if ("tiny-llama", "400") in errors else ["the tiny-llama 400 error"]
+        outcomes = {lb.get("outcome") for lb, v in seen.get("ray_serve_app_cache_requests_total", []) if v}
+        missing += [f"cache {o}" for o in ("hit", "miss") if o not in outcomes]
         if not missing or time.monotonic() > deadline:
             return {"samples": seen, "missing": missing}
         time.sleep(2)
