@@ -123,16 +123,23 @@ class ModelServer:
         self.config = ModelConfig.model_validate(model_config)
         torch.set_num_threads(self.config.effective_torch_threads())
         started = time.perf_counter()
-        self.runtime = load_runtime(
-            LoadOptions(
-                source=self.config.source,
-                task=self.config.task,
-                precision=self.config.precision,
-                device=self.config.device,
-                trust_remote_code=self.config.trust_remote_code,
-                hub_revision=self.config.hub_revision,
+        try:
+            self.runtime = load_runtime(
+                LoadOptions(
+                    source=self.config.source,
+                    task=self.config.task,
+                    precision=self.config.precision,
+                    device=self.config.device,
+                    trust_remote_code=self.config.trust_remote_code,
+                    hub_revision=self.config.hub_revision,
+                )
             )
-        )
+        except Exception as exc:
+            # Serve retries the start a few times, then marks only this deployment
+            # DEPLOY_FAILED; the router answers 503 for this model and serves the others.
+            logger.error("model %s failed to load from %s (task %s): %s: %s", self.config.name, self.config.source,
+                         self.config.task, type(exc).__name__, exc)
+            raise
         logger.info(
             "model %s loaded from %s in %.1fs: task=%s device=%s dtype=%s revision=%s context=%d threads=%d",
             self.config.name,

@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
-from ray.serve.exceptions import BackPressureError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 
 from serve_app.config import AppConfig, ModelConfig, model_deployment_name
@@ -47,6 +47,7 @@ from serve_app.core.errors import (
     HTTPStatusError,
     InvalidRequestError,
     ModelNotFoundError,
+    ModelUnavailableError,
     OverloadedError,
     PayloadTooLargeError,
     ServeAppError,
@@ -404,6 +405,10 @@ async def _on_unexpected_error(request: Request, exc: Exception):
     return error_response(ServeAppError("internal server error; see the server log", code="internal_error"))
 
 
+# How stale the controller's view of the model deployments may be in /healthz and stats.
+_STATES_MAX_AGE_S = 5.0
+
+
 @serve.deployment
 @serve.ingress(api)
 class Router:
@@ -426,6 +431,12 @@ class Router:
         guard.keys, guard.max_body_bytes = keys, self.config.router.max_body_bytes
         logger.info("API keys: %s", "required" if keys else "off")
         self.handles = model_handles
+        for handle in model_handles.values():
+            # Start each handle's updates from the controller now. A handle started by
+            # its first request only learns later that its model failed to load, and that
+            # request waits for replicas that never come; started early, it gets a 503.
+            if not handle.is_initialized:
+                handle._init()
         self.cache = cache_handle if self.config.cache.enabled else None
         self.created = int(time.time())
         # Identical requests in flight at once share one model call (per router replica).
@@ -443,6 +454,7 @@ class Router:
         self.cache_metrics = CacheMetrics()
         self._cache_errors = 0
         self._cache_error_logged_at = 0.0
+        self._states: tuple[dict[str, dict], float] = ({}, float("-inf"))
 
     def _model(self, name: str, task: str, endpoint: str) -> ModelConfig:
         model = self.models.get(name)
@@ -484,6 +496,11 @@ class Router:
                 original = _unwrap(exc)
                 if isinstance(original, ServeAppError):
                     raise original from None
+                if isinstance(original, DeploymentUnavailableError):
+                    raise ModelUnavailableError(
+                        f"model {model.name!r} is unavailable: its replicas failed to start (the model replica's "
+                        "log says why, for example a model that failed to load); the other models still serve"
+                    ) from None
                 if isinstance(original, BackPressureError):
                     raise OverloadedError(
                         f"model {model.name!r} is at capacity (its queue is full); retry after {router.retry_after_s}s",
@@ -618,7 +635,18 @@ class Router:
 
     @api.get("/healthz")
     async def healthz(self) -> dict:
-        return {"status": "ok", "models": sorted(self.models)}
+        """200 while this router serves. A model whose deployment cannot serve (it
+        failed to load, or has no healthy replica) makes the status "degraded" and is
+        listed with Serve's reason; the other models keep serving, so a load balancer
+        should not pull this ingress for it."""
+        unavailable = {
+            name: state for name, state in (await self._deployment_states()).items()
+            if state["status"] in ("DEPLOY_FAILED", "UNHEALTHY") and not state["running"]
+        }
+        body: dict[str, Any] = {"status": "degraded" if unavailable else "ok", "models": sorted(self.models)}
+        if unavailable:
+            body["unavailable"] = unavailable
+        return body
 
     @api.get("/v1/models")
     async def list_models(self) -> dict:
@@ -635,8 +663,10 @@ class Router:
         """Per model: the last minute at a glance (requests, latency, batching, cache,
         replicas), then the cumulative batching counters of the replica that answered."""
         names = list(self.models)
+        # A model that cannot answer (it failed to load) gets its error, not a failed page.
         snapshots, replicas = await asyncio.gather(
-            asyncio.gather(*(self._call(self.models[n], "get_stats") for n in names)), self._running_replicas()
+            asyncio.gather(*(self._call(self.models[n], "get_stats") for n in names), return_exceptions=True),
+            self._running_replicas(),
         )
         outcomes: dict[str, dict[str, int]] = {}
         for (name, outcome), count in self.cache_outcomes.items():
@@ -644,6 +674,9 @@ class Router:
         cache = await self._cache_call("stats", timeout_s=5) if self.cache is not None else None
         models = {}
         for name, snapshot in zip(names, snapshots):
+            if isinstance(snapshot, BaseException):
+                error = snapshot if isinstance(snapshot, ServeAppError) else None
+                snapshot = {"error": error.message if error else f"stats unavailable: {type(snapshot).__name__}"}
             batching = snapshot.pop("last_minute", None) or {}
             models[name] = {
                 "last_minute": {
@@ -665,18 +698,33 @@ class Router:
 
     async def _running_replicas(self) -> dict[str, Optional[int]]:
         """RUNNING replicas per model deployment, from the Serve controller."""
+        return {name: state["running"] for name, state in (await self._deployment_states()).items()}
+
+    async def _deployment_states(self) -> dict[str, dict]:
+        """Per model: its deployment's status, RUNNING replicas and Serve's message,
+        read from the controller at most every few seconds (health checks call this)."""
+        now = time.monotonic()
+        cached, read_at = self._states
+        if now - read_at < _STATES_MAX_AGE_S:
+            return cached
         try:
             app = serve.get_replica_context().app_name
             status = await asyncio.wait_for(asyncio.to_thread(serve.status), timeout=5)
             deployments = status.applications[app].deployments
-        except Exception:  # stats must answer even when the controller is slow
-            logger.debug("could not read replica counts", exc_info=True)
-            return {}
-        return {
-            name: deployments[model_deployment_name(name)].replica_states.get("RUNNING", 0)
-            for name in self.models
-            if model_deployment_name(name) in deployments
-        }
+        except Exception:  # health and stats must answer even when the controller is slow
+            logger.debug("could not read deployment states", exc_info=True)
+            return cached
+        states = {}
+        for name in self.models:
+            deployment = deployments.get(model_deployment_name(name))
+            if deployment is not None:
+                states[name] = {
+                    "status": str(getattr(deployment.status, "value", deployment.status)),
+                    "running": deployment.replica_states.get("RUNNING", 0),
+                    "message": deployment.message,
+                }
+        self._states = (states, now)
+        return states
 
     @api.delete("/v1/cache/{model_name}")
     async def drop_cache(self, model_name: str) -> dict:

@@ -5,6 +5,9 @@ it answers; otherwise it starts ``redis-server`` from PATH on a free port (no sn
 no append-only file, data dir in a temporary folder) and stops it at the end of the
 session. Without either it skips the test, saying how to get one.
 
+``private_redis`` starts a redis-server of the test's own, so the test can kill it
+mid-traffic; it yields ``(process, url)``.
+
 ``redis_prefix`` gives each test its own key prefix and deletes every key under it
 afterwards; tests must write only under it (the server may be shared: never FLUSHDB).
 """
@@ -101,3 +104,28 @@ def redis_prefix(redis_url):
             client.unlink(*batch)
     finally:
         client.close()
+
+
+@pytest.fixture()
+def private_redis(tmp_path):
+    """A redis-server of this test's own (``(process, url)``), so it can be killed mid-traffic."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("redis-server is not on PATH: install one (apt-get install redis-server)")
+    port = free_port()
+    process = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(tmp_path)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"redis://127.0.0.1:{port}/0"
+    try:
+        deadline = time.monotonic() + 10.0
+        while not _answers(url, timeout_s=0.2):
+            if process.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"redis-server on port {port} did not start (exit code {process.poll()})")
+            time.sleep(0.05)
+        yield process, url
+    finally:
+        process.kill()
+        process.wait()

@@ -87,6 +87,17 @@ def _rebuild_overloaded(message, retry_after_s, code):
     return OverloadedError(message, retry_after_s=retry_after_s, code=code)
 
 
+class ModelUnavailableError(ServeAppError):
+    """The model's deployment has no replica that can serve, for example because its
+    model failed to load (HTTP 503). Other models keep serving."""
+
+    status_code = 503
+    error_type = "server_error"
+
+    def __init__(self, message: str, *, param: str | None = "model", code: str | None = "model_unavailable"):
+        super().__init__(message, param=param, code=code)
+
+
 class DeadlineExceededError(ServeAppError):
     """The request waited or ran past its deadline (HTTP 504)."""
 

@@ -4,10 +4,6 @@ coalescing, invalidation, and a store that dies mid-traffic."""
 from __future__ import annotations
 
 import asyncio
-import shutil
-import socket
-import subprocess
-import time
 import uuid
 
 import httpx
@@ -92,34 +88,6 @@ def test_semantic_paraphrase_hits_and_unrelated_misses(deployed):
         assert http.post("/v1/chat/completions", json=unrelated).headers["x-cache"] == "miss"
         other_params = {**paraphrase, "max_tokens": 4}
         assert http.post("/v1/chat/completions", json=other_params).headers["x-cache"] == "miss"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@pytest.fixture()
-def private_redis():
-    """A redis-server of this test's own, so it can be killed mid-traffic."""
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.skip("redis-server is not on PATH (apt-get install redis-server)")
-    port = _free_port()
-    process = subprocess.Popen([binary, "--port", str(port), "--save", "", "--appendonly", "no"],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        with socket.socket() as sock:
-            if sock.connect_ex(("127.0.0.1", port)) == 0:
-                break
-        time.sleep(0.05)
-    try:
-        yield process, f"redis://127.0.0.1:{port}/0"
-    finally:
-        process.kill()
-        process.wait()
 
 
 def test_redis_dying_mid_traffic_loses_no_request(deployed, tiny_app, private_redis, redeploy_apps):
