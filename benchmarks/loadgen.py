@@ -33,6 +33,7 @@ class RunResult:
     latencies_s: list[float] = field(default_factory=list, repr=False)
     units: float = 0.0  # sum of the extracted measure (e.g. tokens), if any
     error_samples: list[str] = field(default_factory=list, repr=False)
+    ttfts_s: list[float] = field(default_factory=list, repr=False)  # streamed requests: time to first text
 
     @property
     def throughput_rps(self) -> float:
@@ -42,10 +43,11 @@ class RunResult:
     def units_per_s(self) -> float:
         return self.units / self.duration_s if self.duration_s else 0.0
 
-    def percentile_ms(self, q: float) -> Optional[float]:
-        if not self.latencies_s:
+    def percentile_ms(self, q: float, values: Optional[list[float]] = None) -> Optional[float]:
+        values = self.latencies_s if values is None else values
+        if not values:
             return None
-        ordered = sorted(self.latencies_s)
+        ordered = sorted(values)
         index = min(len(ordered) - 1, max(0, int(round(q / 100 * (len(ordered) - 1)))))
         return ordered[index] * 1000
 
@@ -64,6 +66,8 @@ class RunResult:
             "p95_ms": _round(self.percentile_ms(95)),
             "p99_ms": _round(self.percentile_ms(99)),
             "error_samples": self.error_samples[:3],
+            **({"p50_ttft_ms": _round(self.percentile_ms(50, self.ttfts_s)),
+                "p95_ttft_ms": _round(self.percentile_ms(95, self.ttfts_s))} if self.ttfts_s else {}),
         }
 
 
@@ -77,22 +81,54 @@ async def _one(
     path, body = make(i)
     started = time.perf_counter()
     method, options = ("GET", {}) if body is None else ("POST", {"json": body})
+    streamed = bool(body and body.get("stream"))
+    first_text_at = None
     try:
         async with session.request(method, base_url + path, **options) as response:
-            payload = await response.read()
             status = response.status
+            if streamed and status == 200:
+                payload, first_text_at = await _read_stream(response)
+            else:
+                payload = await response.read()
     except Exception as exc:  # connection errors count as errors, not crashes
         result.errors += 1
         result.error_samples.append(f"{type(exc).__name__}: {exc}")
         return
     elapsed = time.perf_counter() - started
-    if status != 200:
+    if status != 200 or (streamed and b'"error"' in payload):
         result.errors += 1
         result.error_samples.append(f"HTTP {status}: {payload[:200]!r}")
         return
     result.latencies_s.append(elapsed)
+    if first_text_at is not None:
+        result.ttfts_s.append(first_text_at - started)
     if extract is not None:
         result.units += extract(json.loads(payload))
+
+
+async def _read_stream(response: aiohttp.ClientResponse) -> tuple[bytes, Optional[float]]:
+    """Read an OpenAI server-sent event stream. Returns the JSON the caller's extract
+    sees (``{"usage": ...}`` from the last chunk, or the error event) and when the first
+    text arrived (perf_counter seconds)."""
+    first_text_at = None
+    usage = None
+    async for raw in response.content:
+        line = raw.strip()
+        if not line.startswith(b"data: "):
+            continue
+        data = line[len(b"data: "):]
+        if data == b"[DONE]":
+            break
+        event = json.loads(data)
+        if "error" in event:
+            return data, first_text_at
+        for choice in event.get("choices") or ():
+            text = choice.get("text") or (choice.get("delta") or {}).get("content")
+            if text and first_text_at is None:
+                first_text_at = time.perf_counter()
+        if event.get("usage"):
+            usage = event["usage"]
+    return json.dumps({"usage": usage}).encode(), first_text_at
 
 
 def _session(concurrency: int) -> aiohttp.ClientSession:

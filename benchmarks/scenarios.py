@@ -51,9 +51,14 @@ class ScenarioResult:
 SCENARIOS: dict[str, Callable[[Context], ScenarioResult]] = {}
 
 
-def scenario(fn: Callable[[Context], ScenarioResult]) -> Callable[[Context], ScenarioResult]:
-    SCENARIOS[fn.__name__] = fn
-    return fn
+def scenario(fn: Optional[Callable[[Context], ScenarioResult]] = None, *, name: Optional[str] = None):
+    """Register a scenario under its function's name, or ``@scenario(name="a-name")``."""
+
+    def register(fn: Callable[[Context], ScenarioResult]) -> Callable[[Context], ScenarioResult]:
+        SCENARIOS[name or fn.__name__] = fn
+        return fn
+
+    return register(fn) if fn is not None else register
 
 
 # ---- helpers ------------------------------------------------------------------------
@@ -402,4 +407,4 @@ def trace(ctx: Context) -> ScenarioResult:
 
 
 # Scenarios kept in their own modules register on import.
-from benchmarks import day  # noqa: E402,F401
+from benchmarks import day, generation_mixed  # noqa: E402,F401

@@ -120,6 +120,16 @@ class BatchMetrics:
             [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0],
         )
         self.generated_tokens = counter("serve_app_generated_tokens", "Tokens generated (completion tokens).")
+        latency_s = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60]
+        self.time_to_first_token = histogram(
+            "serve_app_time_to_first_token_seconds",
+            "Per generation row: from arrival at the replica to its first generated token.", latency_s,
+        )
+        self.inter_token_latency = histogram(
+            "serve_app_inter_token_latency_seconds",
+            "Per generation row: mean time between its generated tokens after the first.",
+            [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1],
+        )
         # Exact totals for means and ratios. Ray 2.60's agent rebuilds a histogram's _sum
         # from bucket midpoints, so _sum / _count is only approximate (a 1-row batch
         # reads as 0.5 rows); rate(rows) / rate(batches) is exact.

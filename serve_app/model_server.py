@@ -12,24 +12,27 @@ its exception back alone, so one bad item never fails the others.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, AsyncIterator, Optional, Sequence
 
 import torch
 from ray import serve
 
 from serve_app.config import BatchingConfig, ModelConfig
 from serve_app.core.batching import arrival_order_plan, plan_batches, scatter
+from serve_app.core.continuous import ContinuousBatcher
 from serve_app.core.errors import ContextLengthExceededError, InvalidRequestError
 from serve_app.core.executor import Budget, ModelPacedExecutor
 from serve_app.core.recent import RecentEvents, mean, percentile
 from serve_app.core.runtime import (
     EmbeddingRuntime,
     GenerationRequest,
+    GenerationResult,
     GenerationRuntime,
     ImageClassificationRuntime,
     LoadOptions,
@@ -54,6 +57,43 @@ class _Row:
     # calls with the rows alone, not the replica).
     token_budget: int
     row_budget: int
+    output: Optional["_RowOutput"] = None  # generation rows: streaming and cancellation
+
+
+class _RowOutput:
+    """One generation row's link back to its request, used from the model thread.
+
+    ``on_delta`` hands streamed text to the request's event loop (thread-safe);
+    ``cancelled`` is read by the engine between decode steps, so a request that went
+    away (client disconnect, deadline) stops costing compute.
+    """
+
+    def __init__(self, index: int, loop: asyncio.AbstractEventLoop, deltas: Optional[asyncio.Queue]):
+        self.index = index
+        self.loop = loop
+        self.deltas = deltas  # None: the request does not stream
+        self.cancelled = False
+        self.first_token_at: Optional[float] = None  # time.monotonic()
+        self.started_at: Optional[float] = None  # its model call began (static engine)
+        self.engine_handle: Any = None  # continuous engine's RowHandle
+        self.outcome: Optional[asyncio.Future] = None  # continuous engine: the result
+
+    def on_delta(self, text: str) -> None:
+        if self.first_token_at is None:
+            self.first_token_at = time.monotonic()
+        if self.deltas is not None:
+            self.loop.call_soon_threadsafe(self.deltas.put_nowait, (self.index, text))
+
+    def on_finish(self, outcome: Any) -> None:  # the continuous engine's GenerationSink
+        self.loop.call_soon_threadsafe(self._resolve, outcome)
+
+    def _resolve(self, outcome: Any) -> None:
+        if self.outcome is None or self.outcome.done():  # its request was cancelled
+            return
+        if isinstance(outcome, BaseException):
+            self.outcome.set_exception(outcome)
+        else:
+            self.outcome.set_result(outcome)
 
 
 def _batch_cost(rows: Sequence[_Row]) -> int:
@@ -79,6 +119,7 @@ class _BatchStats:
         self.model_calls = 0
         self.real_tokens = 0
         self.padded_tokens = 0
+        self.cancelled_rows = 0  # generation rows whose caller went away before the end
         self.recent_batch_rows: deque[int] = deque(maxlen=window)
         self.recent_queue_wait_s: deque[float] = deque(maxlen=window)
         # (time, rows, real tokens, padded tokens) per model batch; (time, wait) per row.
@@ -95,6 +136,7 @@ class _BatchStats:
             "model_calls": self.model_calls,
             "real_tokens": self.real_tokens,
             "padded_tokens": self.padded_tokens,
+            "cancelled_rows": self.cancelled_rows,
             "padding_efficiency": (self.real_tokens / self.padded_tokens) if self.padded_tokens else None,
             "mean_batch_rows": (sum(recent) / len(recent)) if recent else None,
             "max_batch_rows": max(recent) if recent else None,
@@ -159,7 +201,21 @@ class ModelServer:
             budget=lambda: Budget(max_rows=self.batching.max_batch_size, max_tokens=self.batching.max_batch_tokens),
             row_tokens=lambda row: row.tokens,
         )
+        # The continuous engine owns the model on its own thread; with it, generation
+        # rows skip the admission window and the executor (see _submit_continuous).
+        self.engine: Optional[ContinuousBatcher] = None
+        if isinstance(self.runtime, GenerationRuntime) and self.config.generation.engine == "continuous":
+            batching = self.config.batching
+            self.engine = ContinuousBatcher(self.runtime, max_rows=batching.max_batch_size,
+                                            kv_token_budget=batching.max_batch_tokens)
+            self.engine.start()
         self._apply_batching(self.config.batching)
+
+    def __del__(self):
+        # Serve calls this when it stops the replica, after in-flight requests drained.
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown(timeout=5)
 
     # ---- configuration --------------------------------------------------------
 
@@ -176,6 +232,9 @@ class ModelServer:
 
     def _apply_batching(self, batching: BatchingConfig) -> None:
         self.batching = batching
+        if self.engine is not None:  # read by the engine thread at its next admission
+            self.engine.max_rows = batching.max_batch_size
+            self.engine.kv_token_budget = batching.max_batch_tokens
         self._admit.set_max_batch_size(batching.max_batch_size)
         self._admit.set_batch_wait_timeout_s(batching.batch_wait_timeout_s)
 
@@ -223,8 +282,9 @@ class ModelServer:
             outputs = []
             for sub_batch in plan.sub_batches:
                 payloads = [group_rows[i].payload for i in sub_batch.indices]
+                row_outputs = [group_rows[i].output for i in sub_batch.indices]
                 try:
-                    out = self._call_model(payloads, group)
+                    out = self._call_model(payloads, group, row_outputs)
                     if len(out) != len(payloads):
                         raise RuntimeError(
                             f"model {self.config.name} returned {len(out)} outputs for {len(payloads)} inputs"
@@ -266,7 +326,7 @@ class ModelServer:
             sub_batch_overhead_tokens=batching.sub_batch_overhead_tokens,
         )
 
-    def _call_model(self, payloads: list[Any], group: Any) -> list[Any]:
+    def _call_model(self, payloads: list[Any], group: Any, outputs: list[Optional[_RowOutput]]) -> list[Any]:
         runtime = self.runtime
         if isinstance(runtime, EmbeddingRuntime):
             return runtime.embed(payloads)
@@ -274,7 +334,15 @@ class ModelServer:
             # Rank every label once; each caller's top_k is cut from it afterwards.
             return runtime.classify(payloads, top_k=len(runtime.labels))
         if isinstance(runtime, GenerationRuntime):
-            return runtime.generate(payloads, group)
+            started = time.monotonic()
+            for output in outputs:
+                output.started_at = started
+            streaming = any(output.deltas is not None for output in outputs)
+            return runtime.generate(
+                payloads, group,
+                on_delta=(lambda i, text: outputs[i].on_delta(text)) if streaming else None,
+                is_cancelled=lambda i: outputs[i].cancelled,
+            )
         raise TypeError(f"no batch call for runtime {type(runtime).__name__}")
 
     async def _submit(self, rows: list[_Row]) -> list[Any]:
@@ -311,11 +379,14 @@ class ModelServer:
         }
 
     async def get_stats(self) -> dict:
-        return {
+        stats = {
             "replica": serve.get_replica_context().replica_id.unique_id,
             "batching": self.batching.model_dump(),
             **self.stats.snapshot(),
         }
+        if self.engine is not None:
+            stats["engine"] = {"kind": "continuous", **dataclasses.asdict(self.engine.stats())}
+        return stats
 
     async def embed(self, texts: list[str]) -> dict:
         runtime = self._require(EmbeddingRuntime, "embeddings")
@@ -336,18 +407,20 @@ class ModelServer:
         ranked = await self._submit([self._row(p, 1) for p in pixels])
         return {"results": [r[:top_k] for r in ranked], "prompt_tokens": 0}
 
-    async def generate(
+    def _generation_rows(
         self,
         *,
-        prompts: Optional[list[str]] = None,
-        messages: Optional[list[dict]] = None,
+        prompts: Optional[list[str]],
+        messages: Optional[list[dict]],
         max_tokens: int,
         temperature: float,
         top_p: float,
-        stop: Sequence[str] = (),
-        seed: Optional[int] = None,
-    ) -> list[dict]:
-        """Generate for each prompt (completions) or for one chat (``messages``)."""
+        stop: Sequence[str],
+        seed: Optional[int],
+        deltas: Optional[asyncio.Queue] = None,
+    ) -> list[_Row]:
+        """One row per prompt (completions) or one for the chat (``messages``), checked
+        against the context window."""
         runtime = self._require(GenerationRuntime, "text generation")
         if messages is not None:
             prompt_rows = [runtime.encode_chat(messages)]
@@ -364,23 +437,126 @@ class ModelServer:
                     param="max_tokens",
                 )
         params = SamplingParams(temperature=temperature, top_p=top_p, seed=seed)
-        rows = [
-            self._row(GenerationRequest(prompt_ids=ids, max_tokens=max_tokens, stop=tuple(stop)), len(ids) + max_tokens, params)
-            for ids in prompt_rows
-        ]
-        results = await self._submit(rows)
-        generated = sum(r.completion_tokens for r in results)
+        loop = asyncio.get_running_loop()
+        rows = []
+        for index, ids in enumerate(prompt_rows):
+            row = self._row(GenerationRequest(prompt_ids=ids, max_tokens=max_tokens, stop=tuple(stop)),
+                            len(ids) + max_tokens, params)
+            row.output = _RowOutput(index, loop, deltas)
+            rows.append(row)
+        return rows
+
+    async def _run_generation(self, rows: list[_Row]) -> list[GenerationResult]:
+        """The rows' results from the configured engine; if the request is cancelled
+        meanwhile, its rows end at the engine's next step."""
+        try:
+            if self.engine is None:
+                results = await self._submit(rows)
+            else:
+                results = await self._submit_continuous(rows)
+        except BaseException as exc:
+            if isinstance(exc, asyncio.CancelledError):  # the caller went away
+                self.stats.cancelled_rows += len(rows)
+            for row in rows:
+                row.output.cancelled = True
+                if row.output.engine_handle is not None:
+                    self.engine.cancel(row.output.engine_handle)
+            raise
+        self._observe_generation(rows, results)
+        return results
+
+    async def _submit_continuous(self, rows: list[_Row]) -> list[GenerationResult]:
+        # No admission window: the engine batches at every decode step.
+        self.stats.requests += 1
+        self.stats.rows += len(rows)
+        loop = asyncio.get_running_loop()
+        for row in rows:
+            row.output.outcome = loop.create_future()
+            row.output.engine_handle = self.engine.submit(row.payload, row.group, row.output)
+        return list(await asyncio.gather(*(row.output.outcome for row in rows)))
+
+    def _observe_generation(self, rows: list[_Row], results: list[GenerationResult]) -> None:
+        finished = time.monotonic()
+        generated = 0
+        for row, result in zip(rows, results):
+            generated += result.completion_tokens
+            output = row.output
+            first = output.first_token_at
+            if first is None and result.time_to_first_token_s is not None and output.started_at is not None:
+                first = output.started_at + result.time_to_first_token_s  # static engine, not streamed
+            if first is None or result.completion_tokens < 1:
+                continue
+            self.metrics.time_to_first_token.observe(max(0.0, first - row.enqueued_at))
+            if result.completion_tokens >= 2:
+                self.metrics.inter_token_latency.observe((finished - first) / (result.completion_tokens - 1))
         if generated:
             self.metrics.generated_tokens.inc(generated)
-        return [
-            {
-                "text": r.text,
-                "finish_reason": r.finish_reason,
-                "prompt_tokens": r.prompt_tokens,
-                "completion_tokens": r.completion_tokens,
-            }
-            for r in results
-        ]
+
+    async def generate(
+        self,
+        *,
+        prompts: Optional[list[str]] = None,
+        messages: Optional[list[dict]] = None,
+        max_tokens: int,
+        temperature: float,
+        top_p: float,
+        stop: Sequence[str] = (),
+        seed: Optional[int] = None,
+    ) -> list[dict]:
+        """Generate for each prompt (completions) or for one chat (``messages``)."""
+        rows = self._generation_rows(prompts=prompts, messages=messages, max_tokens=max_tokens,
+                                     temperature=temperature, top_p=top_p, stop=stop, seed=seed)
+        return [_finished(result) for result in await self._run_generation(rows)]
+
+    async def generate_stream(
+        self,
+        *,
+        prompts: Optional[list[str]] = None,
+        messages: Optional[list[dict]] = None,
+        max_tokens: int,
+        temperature: float,
+        top_p: float,
+        stop: Sequence[str] = (),
+        seed: Optional[int] = None,
+    ) -> AsyncIterator[dict]:
+        """:meth:`generate`, streamed: ``{"index", "text"}`` events as rows produce
+        text, then one ``{"index", "finish_reason", "prompt_tokens",
+        "completion_tokens"}`` per row. The rows are batched like any others; a caller
+        that goes away (Serve cancels this generator) ends them at the next step."""
+        deltas: asyncio.Queue = asyncio.Queue()
+        rows = self._generation_rows(prompts=prompts, messages=messages, max_tokens=max_tokens,
+                                     temperature=temperature, top_p=top_p, stop=stop, seed=seed, deltas=deltas)
+        results = asyncio.ensure_future(self._run_generation(rows))
+        try:
+            while not results.done():
+                delta = asyncio.ensure_future(deltas.get())
+                await asyncio.wait({delta, results}, return_when=asyncio.FIRST_COMPLETED)
+                if delta.done():
+                    index, text = delta.result()
+                    yield {"index": index, "text": text}
+                else:
+                    delta.cancel()
+            # The engine hands over every delta before the result, so what is queued now
+            # is the rest of the text.
+            while not deltas.empty():
+                index, text = deltas.get_nowait()
+                yield {"index": index, "text": text}
+            for index, result in enumerate(results.result()):
+                yield {"index": index, **_finished(result, with_text=False)}
+        finally:
+            if not results.done():
+                results.cancel()
+
+
+def _finished(result: GenerationResult, *, with_text: bool = True) -> dict:
+    """A row's result for the router; a stream's last event leaves out the text, which
+    its deltas carried already."""
+    finished = {
+        "finish_reason": result.finish_reason,
+        "prompt_tokens": result.prompt_tokens,
+        "completion_tokens": result.completion_tokens,
+    }
+    return {"text": result.text, **finished} if with_text else finished
 
 
 def _with_param(fn, value, field: str, index: int, count: int):

@@ -14,18 +14,19 @@ import base64
 import binascii
 import contextvars
 import importlib
+import json
 import logging
 import time
 import uuid
 from collections import Counter
-from typing import Any, Awaitable, Callable, Literal, Optional, Union
+from typing import Any, AsyncIterator, Awaitable, Callable, Literal, Optional, Union
 
 import cachetools
 import numpy as np
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
@@ -75,6 +76,11 @@ class EmbeddingBody(_Body):
     dimensions: Optional[int] = Field(None, ge=1)
 
 
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
 class _SamplingBody(_Body):
     max_tokens: Optional[int] = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
@@ -83,6 +89,7 @@ class _SamplingBody(_Body):
     stop: Optional[Union[str, list[str]]] = None
     seed: Optional[int] = None
     stream: bool = False
+    stream_options: Optional["StreamOptions"] = None
     logprobs: Optional[Union[bool, int]] = None
 
     def stop_list(self) -> list[str]:
@@ -175,6 +182,11 @@ def _unwrap(exc: BaseException) -> BaseException:
             break
         exc = cause
     return exc
+
+
+def _sse(payload: dict) -> bytes:
+    """One server-sent event."""
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
 
 
 def error_response(exc: ServeAppError, headers: Optional[dict] = None) -> JSONResponse:
@@ -488,26 +500,71 @@ class Router:
             except (RayActorError, ActorUnavailableError) as exc:
                 if attempt == router.replica_retries:
                     raise
-                self.replica_retries[model.name] += 1
-                logger.warning("model %s: replica lost mid-request (%s); retry %d of %d",
-                               model.name, type(exc).__name__, attempt + 1, router.replica_retries)
-                await asyncio.sleep(0.1 * 2**attempt)
+                await self._before_retry(model, exc, attempt)
             except Exception as exc:
-                original = _unwrap(exc)
-                if isinstance(original, ServeAppError):
-                    raise original from None
-                if isinstance(original, DeploymentUnavailableError):
-                    raise ModelUnavailableError(
-                        f"model {model.name!r} is unavailable: its replicas failed to start (the model replica's "
-                        "log says why, for example a model that failed to load); the other models still serve"
-                    ) from None
-                if isinstance(original, BackPressureError):
-                    raise OverloadedError(
-                        f"model {model.name!r} is at capacity (its queue is full); retry after {router.retry_after_s}s",
-                        retry_after_s=router.retry_after_s,
-                    ) from None
-                raise
+                raise self._model_error(model, exc) from None
         raise AssertionError("unreachable: the last attempt returns or raises")
+
+    async def _before_retry(self, model: ModelConfig, exc: BaseException, attempt: int) -> None:
+        self.replica_retries[model.name] += 1
+        logger.warning("model %s: replica lost mid-request (%s); retry %d of %d",
+                       model.name, type(exc).__name__, attempt + 1, self.config.router.replica_retries)
+        await asyncio.sleep(0.1 * 2**attempt)
+
+    def _model_error(self, model: ModelConfig, exc: Exception) -> Exception:
+        """What a failed model call means to the client."""
+        original = _unwrap(exc)
+        if isinstance(original, ServeAppError):
+            return original
+        if isinstance(original, DeploymentUnavailableError):
+            return ModelUnavailableError(
+                f"model {model.name!r} is unavailable: its replicas failed to start (the model replica's "
+                "log says why, for example a model that failed to load); the other models still serve"
+            )
+        if isinstance(original, BackPressureError):
+            retry_after_s = self.config.router.retry_after_s
+            return OverloadedError(
+                f"model {model.name!r} is at capacity (its queue is full); retry after {retry_after_s}s",
+                retry_after_s=retry_after_s,
+            )
+        return exc
+
+    async def _stream(self, model: ModelConfig, **kwargs) -> AsyncIterator[dict]:
+        """The model's streamed generation events, under the request's deadline.
+
+        A replica lost before the first event is retried like a unary call; after it,
+        the client already holds part of the answer, so the stream fails instead.
+        Leaving early (client gone, deadline) cancels the model's stream, which frees
+        its rows in the batch.
+        """
+        router = self.config.router
+        deadline = time.monotonic() + router.request_timeout_s
+        handle = self.handles[model.name].options(stream=True)
+        for attempt in range(router.replica_retries + 1):
+            events = handle.generate_stream.remote(**kwargs)
+            started = finished = False
+            try:
+                while True:
+                    try:
+                        event = await asyncio.wait_for(events.__anext__(), max(0.0, deadline - time.monotonic()))
+                    except StopAsyncIteration:
+                        finished = True
+                        return
+                    started = True
+                    yield event
+            except asyncio.TimeoutError:
+                raise DeadlineExceededError(
+                    f"model {model.name!r} did not finish within {router.request_timeout_s}s", code="timeout"
+                ) from None
+            except (RayActorError, ActorUnavailableError) as exc:
+                if started or attempt == router.replica_retries:
+                    raise
+                await self._before_retry(model, exc, attempt)
+            except Exception as exc:
+                raise self._model_error(model, exc) from None
+            finally:
+                if not finished:
+                    events.cancel()
 
     # ---- caching ----------------------------------------------------------------------
 
@@ -760,8 +817,8 @@ class Router:
 
     def _sampling_args(self, body: _SamplingBody, model: ModelConfig, max_tokens: Optional[int]) -> dict:
         limits = model.generation
-        if body.stream:
-            raise InvalidRequestError("stream=true is not supported yet; send stream=false", param="stream")
+        if body.stream_options is not None and not body.stream:
+            raise InvalidRequestError("stream_options is only allowed with stream=true", param="stream_options")
         if body.n != 1:
             raise InvalidRequestError("only n=1 is supported", param="n")
         if body.logprobs:
@@ -786,13 +843,69 @@ class Router:
             "seed": body.seed,
         }
 
+    async def _event_stream(self, model: ModelConfig, body: _SamplingBody, chunk: Callable[..., dict],
+                            **call) -> StreamingResponse:
+        """Server-sent events in OpenAI's chunk format for a streamed generation.
+
+        The first model event is awaited here, so anything that fails before the model
+        produced a token (a bad prompt, a full queue, an unavailable model) is still a
+        plain HTTP error; a failure after it can only be reported in the stream.
+        ``chunk(index=, text=, finish_reason=, usage=)`` builds one chunk's body.
+        """
+        events = self._stream(model, **call)
+        first = await events.__anext__()
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+        async def sse() -> AsyncIterator[bytes]:
+            prompt_tokens = completion_tokens = 0
+            try:
+                for opening in chunk(opening=True):
+                    yield _sse(opening)
+                event: Optional[dict] = first
+                while event is not None:
+                    if "text" in event:
+                        yield _sse(chunk(index=event["index"], text=event["text"]))
+                    else:  # a row finished
+                        prompt_tokens += event["prompt_tokens"]
+                        completion_tokens += event["completion_tokens"]
+                        yield _sse(chunk(index=event["index"], finish_reason=event["finish_reason"]))
+                    event = await anext(events, None)
+                if include_usage:
+                    yield _sse({**chunk(usage=True), "choices": [], "usage": _usage(prompt_tokens, completion_tokens)})
+                yield b"data: [DONE]\n\n"
+            except Exception as exc:  # headers are gone: the error travels as the last event
+                error = exc if isinstance(exc, ServeAppError) else ServeAppError(
+                    "the model failed mid-stream; see the server log", code="internal_error")
+                if not isinstance(exc, ServeAppError):
+                    logger.exception("model %s failed mid-stream", model.name)
+                _note(code=error.code or error.error_type)
+                yield _sse(error.to_body())
+            finally:
+                await events.aclose()
+
+        return StreamingResponse(sse(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "x-cache": "bypass"})
+
     @api.post("/v1/completions")
-    async def completions(self, body: CompletionBody, response: Response) -> dict:
+    async def completions(self, body: CompletionBody, response: Response):
         model = self._model(body.model, "text-generation", "/v1/completions")
         if body.echo:
             raise InvalidRequestError("echo is not supported", param="echo")
         prompts = _as_list(body.prompt, "prompt", model.max_inputs_per_request)
         sampling = self._sampling_args(body, model, body.max_tokens)
+        if body.stream:
+            head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                    "model": model.name}
+
+            def chunk(*, opening=False, usage=False, index=0, text="", finish_reason=None):
+                if opening:
+                    return []  # completions chunks carry no role announcement
+                if usage:
+                    return dict(head)
+                return {**head, "choices": [{"index": index, "text": text, "logprobs": None,
+                                             "finish_reason": finish_reason}]}
+
+            return await self._event_stream(model, body, chunk, prompts=prompts, **sampling)
         results = await self._answer(
             model,
             prompts,
@@ -815,7 +928,7 @@ class Router:
         }
 
     @api.post("/v1/chat/completions")
-    async def chat_completions(self, body: ChatCompletionBody, response: Response) -> dict:
+    async def chat_completions(self, body: ChatCompletionBody, response: Response):
         model = self._model(body.model, "text-generation", "/v1/chat/completions")
         if not body.messages:
             raise InvalidRequestError("'messages' must not be empty", param="messages")
@@ -823,6 +936,21 @@ class Router:
             {"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages
         ]
         sampling = self._sampling_args(body, model, body.max_completion_tokens or body.max_tokens)
+        if body.stream:
+            head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
+                    "created": int(time.time()), "model": model.name}
+
+            def chunk(*, opening=False, usage=False, index=0, text=None, finish_reason=None):
+                if opening:  # OpenAI's first chunk announces the role
+                    return [{**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                  "logprobs": None, "finish_reason": None}]}]
+                if usage:
+                    return dict(head)
+                delta = {} if text is None else {"content": text}
+                return {**head, "choices": [{"index": index, "delta": delta, "logprobs": None,
+                                             "finish_reason": finish_reason}]}
+
+            return await self._event_stream(model, body, chunk, messages=messages, **sampling)
         (result,) = await self._answer(
             model,
             messages,

@@ -32,13 +32,15 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from serve_app.core.errors import ContextLengthExceededError, InvalidRequestError
+from serve_app.core.streaming import TextStream
 
 logger = logging.getLogger(__name__)
 
@@ -625,49 +627,71 @@ class GenerationRequest:
 class GenerationResult:
     text: str
     token_ids: list[int]
-    finish_reason: str  # "stop" (eos or stop string) | "length"
+    finish_reason: str  # "stop" (eos or stop string) | "length" | "cancelled"
     prompt_tokens: int
     completion_tokens: int
+    # Seconds until this row's first token: from the generate() call (static engine) or
+    # from submit() (continuous engine, so queueing counts). None if no token came.
+    time_to_first_token_s: float | None = None
+
+
+#: ``on_delta(row_index, text_delta)``: called from the generating thread as a row's text grows.
+DeltaCallback = Callable[[int, str], None]
+#: ``is_cancelled(row_index)``: asked once per step for each running row; True ends it as "cancelled".
+CancelCheck = Callable[[int], bool]
 
 
 class _RowStopper:
-    """Per-row stopping for one generate() call.
+    """Per-row stopping, streaming and cancellation for one generate() call.
 
     transformers ORs every criterion's per-row BoolTensor into its ``unfinished`` mask,
     so a row that this returns True for gets only padding afterwards. The stopper
-    records, per row, how many tokens it generated and why it ended.
+    records, per row, how many tokens it generated and why it ended. A row that streams
+    (``on_delta``) or has stop strings gets a :class:`TextStream`, which detects the stop
+    strings and hands out the text deltas; other rows are decoded once at the end.
     """
 
     def __init__(self, runtime: "GenerationRuntime", prompt_width: int, limits: list[int],
-                 stops: list[tuple[str, ...]], eos_ids: set[int]):
-        self.runtime = runtime
+                 stops: list[tuple[str, ...]], eos_ids: set[int], *,
+                 on_delta: DeltaCallback | None = None, is_cancelled: CancelCheck | None = None):
         self.prompt_width = prompt_width
         self.limits = limits
-        self.stops = stops
         self.eos_ids = eos_ids
+        self.on_delta = on_delta
+        self.is_cancelled = is_cancelled
         n = len(limits)
+        self.streams: list[TextStream | None] = [
+            TextStream(runtime._decode, row_stops) if (on_delta is not None or row_stops) else None
+            for row_stops in stops
+        ]
         self.ended_at: list[int | None] = [None] * n
         self.reason: list[str | None] = [None] * n
-        self.cut: list[int | None] = [None] * n  # char offset of a matched stop string
+        self.first_token_at: float | None = None  # time.monotonic() of the first step
+        self._sink_failed = [False] * n
         self._done = torch.zeros(n, dtype=torch.bool)
 
     def __call__(self, input_ids: torch.Tensor, scores: Any = None, **kwargs) -> torch.Tensor:
         gen_len = input_ids.shape[1] - self.prompt_width
         if gen_len <= 0:
             return self._done.to(input_ids.device)
+        if self.first_token_at is None:
+            self.first_token_at = time.monotonic()
         last = input_ids[:, -1].tolist()
         for i, tok in enumerate(last):
             if self.ended_at[i] is not None:
                 continue
+            if self._sink_failed[i] or (self.is_cancelled is not None and self.is_cancelled(i)):
+                # The token generated in this step was never streamed: the row ends before it.
+                self._end(i, gen_len - 1, "cancelled")
+                continue
             if tok in self.eos_ids:
                 self._end(i, gen_len, "stop")
                 continue
-            if self.stops[i]:
-                text = self.runtime._decode(input_ids[i, self.prompt_width:].tolist())
-                pos = _first_stop(text, self.stops[i])
-                if pos is not None:
+            stream = self.streams[i]
+            if stream is not None:
+                self.emit(i, stream.push(tok))
+                if stream.stopped:
                     self._end(i, gen_len, "stop")
-                    self.cut[i] = pos
                     continue
             if gen_len >= self.limits[i]:
                 self._end(i, gen_len, "length")
@@ -677,16 +701,20 @@ class _RowStopper:
         self.ended_at[i] = gen_len
         self.reason[i] = reason
         self._done[i] = True
+        stream = self.streams[i]
+        if stream is not None:
+            self.emit(i, stream.finish())
 
-
-def _first_stop(text: str, stops: tuple[str, ...]) -> int | None:
-    best = None
-    for s in stops:
-        if s:
-            p = text.find(s)
-            if p >= 0 and (best is None or p < best):
-                best = p
-    return best
+    def emit(self, i: int, delta: str) -> None:
+        if not delta or self.on_delta is None or self._sink_failed[i]:
+            return
+        try:
+            self.on_delta(i, delta)
+        except Exception:
+            # A broken consumer must not abort the other rows of the batch: drop its
+            # further deltas and end its row at the next step.
+            logger.exception("on_delta failed for row %d; cancelling that row", i)
+            self._sink_failed[i] = True
 
 
 class GenerationRuntime(TaskRuntime):
@@ -768,16 +796,27 @@ class GenerationRuntime(TaskRuntime):
         ids = list(self.tokenizer(text, add_special_tokens=False, truncation=False, verbose=False)["input_ids"])
         return self._check_length(ids, "messages")
 
-    def generate(self, requests: list[GenerationRequest], params: SamplingParams) -> list[GenerationResult]:
+    def generate(self, requests: list[GenerationRequest], params: SamplingParams, *,
+                 on_delta: DeltaCallback | None = None,
+                 is_cancelled: CancelCheck | None = None) -> list[GenerationResult]:
         """One model.generate() call for all rows; each row stops on its own.
 
         Rows are left-padded to the longest prompt here; max_new_tokens is the largest
         row limit, and a stopping criterion ends each row at its own max_tokens (capped
         by the context window), at EOS, or at the first of its stop strings, whose text
         and everything after it is cut off.
+
+        Streaming: ``on_delta(row_index, text)`` is called from this (the generating)
+        thread as each row's text grows; a row's deltas concatenate exactly to its
+        result's ``text`` (see :class:`~serve_app.core.streaming.TextStream` for what is
+        held back until the row ends). It must be quick; if it raises, the error is
+        logged and that row is cancelled. ``is_cancelled(row_index)`` is asked once per
+        step for each running row: True ends that row at this step with finish_reason
+        "cancelled", holding only the tokens generated before, while the others go on.
         """
         if not requests:
             return []
+        started = time.monotonic()
         n = len(requests)
         width = max(len(r.prompt_ids) for r in requests)
         limits = []
@@ -793,7 +832,8 @@ class GenerationRuntime(TaskRuntime):
         for i, r in enumerate(requests):
             ids[i, width - len(r.prompt_ids):] = torch.tensor(r.prompt_ids, dtype=torch.long)
             mask[i, width - len(r.prompt_ids):] = 1
-        stopper = _RowStopper(self, width, limits, [tuple(r.stop) for r in requests], self.eos_token_ids)
+        stopper = _RowStopper(self, width, limits, [tuple(r.stop) for r in requests], self.eos_token_ids,
+                              on_delta=on_delta, is_cancelled=is_cancelled)
 
         from transformers import StoppingCriteriaList
 
@@ -830,15 +870,21 @@ class GenerationRuntime(TaskRuntime):
         for i, r in enumerate(requests):
             end = stopper.ended_at[i]
             reason = stopper.reason[i]
+            stream = stopper.streams[i]
             if end is None:  # generate stopped on its own (max length reached)
                 end, reason = min(len(generated[i]), limits[i]), "length"
+                if stream is not None:  # feed the stream whatever the stopper did not see
+                    for tok in generated[i][len(stream.token_ids):end]:
+                        stopper.emit(i, stream.push(tok))
+                    if stream.stopped:
+                        end, reason = len(stream.token_ids), "stop"
+                    stopper.emit(i, stream.finish())
             toks = generated[i][:end]
-            text = self._decode(toks)
-            if stopper.cut[i] is not None:
-                text = text[: stopper.cut[i]]
+            text = stream.text if stream is not None else self._decode(toks)
+            ttft = stopper.first_token_at - started if toks and stopper.first_token_at is not None else None
             results.append(GenerationResult(
                 text=text, token_ids=toks, finish_reason=reason,
-                prompt_tokens=len(r.prompt_ids), completion_tokens=len(toks),
+                prompt_tokens=len(r.prompt_ids), completion_tokens=len(toks), time_to_first_token_s=ttft,
             ))
         return results
 

@@ -1,0 +1,124 @@
+"""The `generation-mixed` scenario: generation engines on requests of very different lengths.
+
+Completions whose max_tokens vary widely (8..256, log-uniform, so short answers are
+common and long ones frequent enough to matter) arrive open loop (Poisson) and are
+streamed, so time to first token is measured at the client. The same arrivals go to
+three copies of the same model, one after another:
+
+- ``continuous``: iteration-level batching (``generation.engine: continuous``);
+- ``static``: @serve.batch admission, one padded generate() per batch that runs
+  until its longest row ends;
+- ``unbatched``: static with max_batch_size 1.
+
+Raw prompts, not chat: a model continuing plain text rarely emits EOS, so each request
+really generates about its max_tokens and the length mix is the one intended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+from pathlib import Path
+
+from benchmarks.loadgen import RunResult, open_loop
+from benchmarks.scenarios import Context, ScenarioResult, scenario
+from benchmarks.service import pick_model, variant
+from benchmarks.workloads import CHAT_PROMPTS
+
+MIN_TOKENS, MAX_TOKENS = 8, 256
+ENGINES = ("continuous", "static", "unbatched")
+
+
+def max_tokens_mix(count: int, seed: int = 5) -> list[int]:
+    """Log-uniform max_tokens in [MIN_TOKENS, MAX_TOKENS]."""
+    rng = random.Random(seed)
+    low, high = math.log(MIN_TOKENS), math.log(MAX_TOKENS)
+    return [int(round(math.exp(rng.uniform(low, high)))) for _ in range(count)]
+
+
+def _completion_tokens(answer: dict) -> float:
+    return float((answer.get("usage") or {}).get("completion_tokens") or 0)
+
+
+@scenario(name="generation-mixed")
+def generation_mixed(ctx: Context) -> ScenarioResult:
+    """Streamed completions, max_tokens 8..256 log-uniform, open-loop Poisson arrivals:
+    generated tokens/s, p50/p95 time to first token and total latency, continuous vs
+    static vs unbatched, on the same arrivals."""
+    result = ScenarioResult("generation-mixed", generation_mixed.__doc__)
+    base = pick_model(ctx.models, "text-generation")
+    count = 40 if ctx.quick else 120
+    rate = 0.5  # requests/s: a mean of ~70 tokens each is more than one row at a time keeps up with
+    budgets = max_tokens_mix(count)
+    common = dict(precision=ctx.precision, torch_threads=ctx.gen_torch_threads, num_cpus=1)
+    configs = {
+        "continuous": variant(base, name="gen", max_batch_size=16, max_batch_tokens=16384, **common),
+        "static": variant(base, name="gen", max_batch_size=16, max_batch_tokens=16384, batch_wait_timeout_s=0.2,
+                          **common),
+        "unbatched": variant(base, name="gen", max_batch_size=1, **common),
+    }
+    for name, config in configs.items():
+        config.setdefault("generation", {}).update(
+            engine="continuous" if name == "continuous" else "static", max_tokens_limit=MAX_TOKENS)
+    urls = {name: ctx.cluster.deploy_models(f"mixed-{name}", [config]) for name, config in configs.items()}
+
+    def make(i: int):
+        return "/v1/completions", {
+            "model": "gen", "prompt": CHAT_PROMPTS[i % len(CHAT_PROMPTS)], "max_tokens": budgets[i],
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
+        }
+
+    runs: dict[str, RunResult] = {}
+    for name in ENGINES:
+        # Warm up: the first generate() call of a replica is slow.
+        asyncio.run(open_loop(urls[name], make, rate_per_s=10.0, requests=2, label=f"{name} warm-up",
+                              progress=False))
+        run = asyncio.run(open_loop(urls[name], make, rate_per_s=rate, requests=count, label=name,
+                                    extract=_completion_tokens, seed=17, progress=ctx.progress))
+        runs[name] = run
+        result.add(run, name, tokens_per_s=round(run.units_per_s, 1))
+    for name in ENGINES:
+        ctx.cluster.delete(f"mixed-{name}")
+
+    tps = {name: run.units_per_s for name, run in runs.items()}
+    p95_ttft = {name: run.percentile_ms(95, run.ttfts_s) for name, run in runs.items()}
+    result.derived.update(
+        requests=count, rate_per_s=rate, max_tokens=f"{MIN_TOKENS}..{MAX_TOKENS} log-uniform",
+        continuous_vs_static_tokens_per_s=round(tps["continuous"] / tps["static"], 2),
+        continuous_vs_static_p95_ttft=round(p95_ttft["continuous"] / p95_ttft["static"], 3),
+        static_vs_unbatched_tokens_per_s=round(tps["static"] / tps["unbatched"], 2),
+    )
+    result.check("continuous / static p95 time to first token", p95_ttft["continuous"] / p95_ttft["static"], 1.0,
+                 higher_is_better=False)
+    result.check("continuous / unbatched generated tokens/s", tps["continuous"] / tps["unbatched"], 1.0)
+    _plot(runs, Path(ctx.out_dir))
+    return result
+
+
+def _plot(runs: dict[str, RunResult], out_dir: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fig, (ax_ttft, ax_total, ax_tps) = plt.subplots(1, 3, figsize=(14, 4))
+    for name, run in runs.items():
+        for ax, values in ((ax_ttft, run.ttfts_s), (ax_total, run.latencies_s)):
+            ordered = sorted(values)
+            ax.plot(ordered, [(i + 1) / len(ordered) for i in range(len(ordered))], label=name)
+    ax_ttft.set(title="time to first token (CDF)", xlabel="seconds", ylabel="fraction of requests", xscale="log")
+    ax_total.set(title="total latency (CDF)", xlabel="seconds", xscale="log")
+    names = list(runs)
+    ax_tps.bar(names, [runs[n].units_per_s for n in names], color=["C0", "C1", "C2"][: len(names)])
+    ax_tps.set(title="generated tokens/s", ylabel="tokens/s")
+    for ax in (ax_ttft, ax_total, ax_tps):
+        ax.grid(True, alpha=0.3)
+    ax_ttft.legend()
+    fig.suptitle("generation-mixed: max_tokens 8..256, open-loop arrivals")
+    fig.tight_layout()
+    path = out_dir / "generation-mixed.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,609 @@
+"""Continuous (iteration-level) batching for causal LM text generation.
+
+:class:`ContinuousBatcher` runs one decoding loop over a changing set of rows: a
+request joins the running batch between two decode steps and leaves it as soon as it
+ends, instead of waiting for the longest row of a static batch (which is what
+:meth:`~serve_app.core.runtime.GenerationRuntime.generate` does). Each row streams its
+text as it grows.
+
+Threads. ``submit``, ``cancel``, ``stats`` and ``shutdown`` may be called from any
+thread (an asyncio event loop, typically). Everything that touches the model (``step``)
+runs on one engine thread, started with :meth:`ContinuousBatcher.start` (or a thread of
+yours running :meth:`ContinuousBatcher.run_forever`), which sleeps on a condition
+variable while there is no work. A request's :class:`GenerationSink` is called on the
+engine thread, never while the batcher's lock is held.
+
+One step (:meth:`ContinuousBatcher.step`):
+
+1. rows cancelled since the last step leave the batch (finish_reason "cancelled");
+2. waiting rows are admitted first come, first served while the batch has fewer than
+   ``max_rows`` rows and the KV-cache reservation stays within ``kv_token_budget``
+   (each row reserves ``prompt_tokens + max_tokens``, so cache memory is bounded; a
+   single row larger than the whole budget still runs, alone, rather than starving);
+3. the admitted rows are prefilled together as their own left-padded batch, which
+   yields their first token, and their cache is merged into the running one;
+4. one decode step runs for all rows, each sampling with its own parameters;
+5. rows that ended (EOS, stop string, max_tokens, context window, cancelled) leave:
+   their rows are cut out of every layer's keys and values, and the cache columns that
+   only padding still uses are trimmed, so the cache never grows beyond the longest
+   running row.
+
+The batch is a plain transformers ``DynamicCache`` with left padding: all rows end at
+the same cache column, padding is masked out with the attention mask, and each row gets
+explicit ``position_ids`` (its count of real tokens so far), so a row's positions, and
+its greedy tokens, are the ones it would get alone. transformers' own continuous
+batching (``init_continuous_batching``, paged cache; 5.24 tried) runs on CPU and can
+stream and cancel, but it has no stop strings and no per-request seed, its defaults
+size the paged cache for the machine's memory (3 small requests took 14 s against 4 s
+with generate()), and tuned it was still slower than this loop on SmolLM2-135M with
+16 requests (57 against 72 tokens/s); hence this loop.
+
+This module must never import ray.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from serve_app.core.runtime import GenerationRequest, GenerationResult, GenerationRuntime, SamplingParams
+from serve_app.core.streaming import TextStream
+
+logger = logging.getLogger(__name__)
+
+# The idle engine thread wakes on submit() and shutdown(); this bound only matters for
+# a stop_event set by someone else, who cannot notify the condition variable.
+_IDLE_WAIT_S = 1.0
+
+
+class GenerationSink(Protocol):
+    """Where the engine delivers one request's output. Both methods run on the engine thread.
+
+    ``on_delta(text)`` is called with each non-empty piece of new text, in order; the
+    pieces concatenate exactly to the final result's ``text``. ``on_finish(outcome)``
+    is called exactly once, last, with the :class:`GenerationResult` (finish_reason
+    "stop", "length" or "cancelled") or with the exception that ended the request (a
+    model error, or :class:`BatcherClosedError` at shutdown).
+
+    Both must return quickly and must not block on the engine (e.g. hand the value to
+    an event loop with ``loop.call_soon_threadsafe``): every other row waits meanwhile.
+    They may call :meth:`ContinuousBatcher.submit` or ``cancel``. If ``on_delta``
+    raises, the error is logged and the request is cancelled at the next step.
+    """
+
+    def on_delta(self, text: str) -> None: ...
+
+    def on_finish(self, outcome: GenerationResult | BaseException) -> None: ...
+
+
+class BatcherClosedError(RuntimeError):
+    """The batcher is shut down: submit() after shutdown(), or a request still pending at shutdown."""
+
+
+@dataclass(eq=False)
+class RowHandle:
+    """One submitted request, as :meth:`ContinuousBatcher.submit` returns it.
+
+    Pass it to :meth:`ContinuousBatcher.cancel`. The engine thread fills in the
+    timestamps (``time.monotonic()`` seconds) as the request moves on; they are final
+    by the time the sink's ``on_finish`` runs.
+    """
+
+    request_id: int
+    prompt_tokens: int
+    submitted_at: float
+    admitted_at: float | None = None  # joined the running batch
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    cancel_requested: bool = False
+
+    @property
+    def time_to_first_token_s(self) -> float | None:
+        """Seconds from submit() to the first token (queueing and prefill included)."""
+        return None if self.first_token_at is None else self.first_token_at - self.submitted_at
+
+    @property
+    def queue_time_s(self) -> float | None:
+        """Seconds from submit() until the row joined the batch."""
+        return None if self.admitted_at is None else self.admitted_at - self.submitted_at
+
+
+@dataclass(frozen=True)
+class BatcherStats:
+    """A snapshot of the batcher's counters, for metrics, read under one lock.
+
+    Taken during a step, a row whose sink already got its result may still count in
+    ``active_rows`` until that step ends.
+    """
+
+    steps: int  # step() calls that ran the model
+    rows_submitted: int
+    rows_admitted: int
+    rows_finished: int  # all ends: stop, length, cancelled, failed
+    rows_cancelled: int
+    rows_failed: int  # ended with an exception
+    tokens_generated: int
+    active_rows: int
+    waiting_rows: int
+    kv_tokens_reserved: int  # sum of prompt_tokens + max_tokens over active rows
+    kv_cache_slots: int  # rows x columns of the cache as allocated now (padding included)
+
+
+class _Row:
+    """Engine-side state of one request."""
+
+    def __init__(self, handle: RowHandle, request: GenerationRequest, params: SamplingParams,
+                 sink: GenerationSink, limit: int, stream: TextStream, device: torch.device):
+        self.handle = handle
+        self.request = request
+        self.sink = sink
+        self.limit = limit  # max_tokens capped by the context window
+        self.kv_cost = len(request.prompt_ids) + limit
+        self.stream = stream
+        temperature = params.temperature
+        self.temperature = float(temperature) if temperature is not None and temperature > 0 else 0.0
+        self.top_p = float(params.top_p) if params.top_p is not None else 1.0
+        self.generator: torch.Generator | None = None
+        if self.temperature > 0 and params.seed is not None:
+            self.generator = torch.Generator(device=device)
+            self.generator.manual_seed(int(params.seed))
+        self.tokens: list[int] = []
+        self.next_token: int | None = None  # sampled but not yet fed through the model
+        self.cached_len = 0  # real (non-padding) tokens of this row in the cache
+        self.finish_reason: str | None = None
+        self.sink_failed = False
+
+
+class ContinuousBatcher:
+    """Iteration-level batching over one :class:`GenerationRuntime`; see the module docstring.
+
+    ``max_rows`` caps the rows decoded together; ``kv_token_budget`` caps the sum of
+    ``prompt_tokens + max_tokens`` over them. The cache as allocated is at most
+    (rows) x (longest running row) positions per layer, since rows are left-padded to
+    the longest one.
+    """
+
+    def __init__(self, runtime: GenerationRuntime, *, max_rows: int, kv_token_budget: int):
+        if max_rows < 1:
+            raise ValueError(f"max_rows={max_rows}; it must be at least 1")
+        if kv_token_budget < 1:
+            raise ValueError(f"kv_token_budget={kv_token_budget}; it must be at least 1")
+        self.runtime = runtime
+        self.model = runtime.model
+        self.device = runtime.device
+        self.max_rows = max_rows
+        self.kv_token_budget = kv_token_budget
+        forward_params = inspect.signature(self.model.forward).parameters
+        if "position_ids" not in forward_params:
+            raise ValueError(f"{type(self.model).__name__}.forward takes no position_ids; continuous batching "
+                             "needs them to give left-padded rows their own positions")
+        # transformers 5.x renamed past_key_values to cache; accept both spellings.
+        self._cache_kwarg = "cache" if "cache" in forward_params else "past_key_values"
+        self._logits_to_keep = "logits_to_keep" in forward_params
+        self._check_cache_layout()
+
+        self._lock = threading.Lock()
+        self._work = threading.Condition(self._lock)  # notified on submit, cancel and shutdown
+        self._waiting: deque[_Row] = deque()
+        self._ids = itertools.count(1)
+        self._closed = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stepping = threading.Lock()  # step() is for one thread at a time
+
+        # Engine-thread state: the running batch. Row i of every tensor is _active[i].
+        self._active: list[_Row] = []
+        self._cache = None  # transformers DynamicCache, or None while no row runs
+        self._mask: torch.Tensor | None = None  # [rows, cache columns], 1 = real token
+
+        # Counters, updated under _lock so that stats() is consistent.
+        self._steps = 0
+        self._rows_submitted = 0
+        self._rows_admitted = 0
+        self._rows_finished = 0
+        self._rows_cancelled = 0
+        self._rows_failed = 0
+        self._tokens_generated = 0
+        self._kv_reserved = 0
+
+    # ------------------------------------------------------------------ public, any thread
+
+    def submit(self, request: GenerationRequest, params: SamplingParams, sink: GenerationSink) -> RowHandle:
+        """Queue one request; thread-safe. Its output goes to ``sink`` from the engine thread.
+
+        Raises ValueError for an empty prompt or max_tokens < 1, and
+        :class:`BatcherClosedError` after :meth:`shutdown`.
+        """
+        if not request.prompt_ids:
+            raise ValueError("request has an empty prompt")
+        if request.max_tokens < 1:
+            raise ValueError(f"request has max_tokens={request.max_tokens}; it must be at least 1")
+        room = self.runtime.max_input_tokens - len(request.prompt_ids)
+        limit = max(1, min(request.max_tokens, room))
+        handle = RowHandle(request_id=next(self._ids), prompt_tokens=len(request.prompt_ids),
+                           submitted_at=time.monotonic())
+        row = _Row(handle, request, params, sink, limit, TextStream(self.runtime._decode, request.stop), self.device)
+        with self._lock:
+            if self._closed:
+                raise BatcherClosedError("the continuous batcher is shut down")
+            self._waiting.append(row)
+            self._rows_submitted += 1
+            self._work.notify()
+        return handle
+
+    def cancel(self, handle: RowHandle) -> None:
+        """Ask for a request to end; thread-safe. It leaves at the next step as "cancelled".
+
+        Cancelling a finished request does nothing.
+        """
+        with self._lock:
+            handle.cancel_requested = True
+            self._work.notify()
+
+    def stats(self) -> BatcherStats:
+        """The counters, read together; thread-safe."""
+        with self._lock:
+            slots = int(self._mask.numel()) if self._mask is not None else 0
+            return BatcherStats(
+                steps=self._steps, rows_submitted=self._rows_submitted, rows_admitted=self._rows_admitted,
+                rows_finished=self._rows_finished, rows_cancelled=self._rows_cancelled,
+                rows_failed=self._rows_failed, tokens_generated=self._tokens_generated,
+                active_rows=len(self._active), waiting_rows=len(self._waiting),
+                kv_tokens_reserved=self._kv_reserved, kv_cache_slots=slots,
+            )
+
+    def start(self) -> None:
+        """Start the engine thread (a daemon) unless it runs already."""
+        with self._lock:
+            if self._closed:
+                raise BatcherClosedError("the continuous batcher is shut down")
+            if self._thread is not None and self._thread.is_alive():
+                return
+            self._thread = threading.Thread(target=self.run_forever, args=(self._stop,),
+                                            name="continuous-batcher", daemon=True)
+            self._thread.start()
+
+    def shutdown(self, timeout: float | None = 10.0) -> None:
+        """Stop accepting requests, stop the engine thread, fail what is still pending; thread-safe.
+
+        Rows still waiting or running end with :class:`BatcherClosedError` in their
+        sink's ``on_finish``. Blocks up to ``timeout`` seconds for the current step.
+        Called from a sink (on the engine thread), it returns at once and the engine
+        thread ends the pending rows once its step is over.
+        """
+        with self._lock:
+            self._closed = True
+            self._stop.set()
+            self._work.notify_all()
+            thread = self._thread
+        if thread is threading.current_thread():
+            return
+        if thread is not None:
+            thread.join(timeout)
+            if thread.is_alive():
+                logger.warning("continuous batcher thread did not stop within %s s; its rows stay with it", timeout)
+                return
+        self._fail_pending()
+
+    def _fail_pending(self) -> None:
+        error = BatcherClosedError("the continuous batcher shut down before this request finished")
+        with self._lock:
+            pending = list(self._waiting)
+            self._waiting.clear()
+        with self._stepping:
+            running = self._active
+            self._set_batch([], None, None)
+        for row in pending + running:
+            self._fail(row, error)
+
+    # ------------------------------------------------------------------ engine thread
+
+    def run_forever(self, stop_event: threading.Event) -> None:
+        """Run steps until ``stop_event`` is set or :meth:`shutdown` is called, sleeping while idle.
+
+        Rows still queued when ``stop_event`` stops the loop stay queued (another
+        run_forever() may serve them); after shutdown() they are failed.
+        """
+        def stopping() -> bool:
+            return stop_event.is_set() or self._stop.is_set()
+
+        while not stopping():
+            with self._work:
+                while not stopping() and not self._waiting and not self._active:
+                    self._work.wait(timeout=_IDLE_WAIT_S)
+            if stopping():
+                break
+            try:
+                self.step()
+            except Exception:  # step() already ended the rows it hit; keep serving the others
+                logger.exception("continuous batcher step failed")
+        if self._closed:  # e.g. shutdown() was called from a sink on this thread: finish its work
+            self._fail_pending()
+
+    def step(self) -> bool:
+        """Run one iteration (see the module docstring); False if there was nothing to do.
+
+        Call it from one thread only: the engine thread, or a test driving the batcher
+        by hand without start(). Model errors end the rows they hit (their sink gets
+        the exception) and are not raised.
+        """
+        if not self._stepping.acquire(blocking=False):
+            raise RuntimeError("ContinuousBatcher.step() is already running in another thread")
+        try:
+            with torch.inference_mode():
+                return self._step()
+        finally:
+            self._stepping.release()
+
+    def _step(self) -> bool:
+        with self._lock:
+            dropped = [r for r in self._waiting if r.handle.cancel_requested]
+            for row in dropped:
+                self._waiting.remove(row)
+        for row in dropped:
+            self._finish(row, "cancelled")
+        leaving = [r for r in self._active if r.handle.cancel_requested or r.sink_failed]
+        if leaving:
+            for row in leaving:
+                self._finish(row, "cancelled")
+            self._keep_rows([i for i, r in enumerate(self._active) if r.finish_reason is None])
+
+        admitted = self._admit()
+        if not admitted and not self._active:
+            return bool(dropped or leaving)
+        if admitted:
+            self._prefill(admitted)
+        if self._active:
+            self._decode()
+        with self._lock:
+            self._steps += 1
+        return True
+
+    def _admit(self) -> list[_Row]:
+        """Take waiting rows, first come first served, while they fit the row and KV budgets."""
+        admitted: list[_Row] = []
+        now = time.monotonic()
+        with self._lock:
+            while self._waiting and len(self._active) + len(admitted) < self.max_rows:
+                row = self._waiting[0]
+                batch_empty = not self._active and not admitted
+                if self._kv_reserved + row.kv_cost > self.kv_token_budget and not batch_empty:
+                    break  # the head waits for room; later rows do not overtake it
+                self._waiting.popleft()
+                admitted.append(row)
+                row.handle.admitted_at = now
+                self._kv_reserved += row.kv_cost
+                self._rows_admitted += 1
+        return admitted
+
+    def _prefill(self, rows: list[_Row]) -> None:
+        """Run the new rows' prompts as one left-padded batch and merge them into the running batch."""
+        from transformers import DynamicCache
+
+        try:
+            width = max(len(r.request.prompt_ids) for r in rows)
+            ids = torch.full((len(rows), width), self.runtime.pad_token_id, dtype=torch.long)
+            mask = torch.zeros((len(rows), width), dtype=torch.long)
+            for i, row in enumerate(rows):
+                n = len(row.request.prompt_ids)
+                ids[i, width - n:] = torch.tensor(row.request.prompt_ids, dtype=torch.long)
+                mask[i, width - n:] = 1
+            ids, mask = ids.to(self.device), mask.to(self.device)
+            # The same positions transformers' generate() gives a left-padded prompt.
+            positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+            cache = DynamicCache(config=self.model.config)
+            logits = self._forward(ids, mask, positions, cache)
+            tokens = self._sample(logits, rows)
+        except Exception as exc:
+            logger.exception("prefill of %d new row(s) failed", len(rows))
+            for row in rows:
+                self._fail(row, exc)
+            return
+        now = time.monotonic()
+        for row, token in zip(rows, tokens):
+            row.cached_len = len(row.request.prompt_ids)
+            row.handle.first_token_at = now
+            self._accept(row, token)
+        keep = [i for i, r in enumerate(rows) if r.finish_reason is None]
+        for row in rows:
+            if row.finish_reason is not None:
+                self._finish(row, row.finish_reason)
+        if not keep:
+            return
+        if len(keep) < len(rows):
+            cache, mask = _select_rows(cache, mask, keep)
+            rows = [rows[i] for i in keep]
+        self._merge(cache, mask, rows)
+
+    def _decode(self) -> None:
+        """One token for every running row."""
+        rows = self._active
+        try:
+            ids = torch.tensor([[r.next_token] for r in rows], dtype=torch.long, device=self.device)
+            positions = torch.tensor([[r.cached_len] for r in rows], dtype=torch.long, device=self.device)
+            mask = torch.cat([self._mask, self._mask.new_ones((len(rows), 1))], dim=1)
+            logits = self._forward(ids, mask, positions, self._cache)
+            tokens = self._sample(logits, rows)
+        except Exception as exc:
+            # The cache may hold a half-updated step: drop the whole batch.
+            logger.exception("decode step over %d row(s) failed", len(rows))
+            self._set_batch([], None, None)
+            for row in rows:
+                self._fail(row, exc)
+            return
+        self._set_batch(rows, self._cache, mask)
+        for row, token in zip(rows, tokens):
+            row.cached_len += 1
+            self._accept(row, token)
+        if any(r.finish_reason is not None for r in rows):
+            for row in rows:
+                if row.finish_reason is not None:
+                    self._finish(row, row.finish_reason)
+            self._keep_rows([i for i, r in enumerate(rows) if r.finish_reason is None])
+
+    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
+        """Last-position logits (float32, [rows, vocab]); the cache grows by ids' width."""
+        kwargs = {self._cache_kwarg: cache}
+        if self._logits_to_keep:
+            kwargs["logits_to_keep"] = 1
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **kwargs)
+        return out.logits[:, -1, :].float()
+
+    def _sample(self, logits: torch.Tensor, rows: list[_Row]) -> list[int]:
+        """One token per row: argmax for greedy rows; temperature, top-p and the row's generator otherwise."""
+        chosen = logits.argmax(dim=-1)
+        sampled = [i for i, r in enumerate(rows) if r.temperature > 0]
+        if sampled:
+            index = torch.tensor(sampled, device=logits.device)
+            temperatures = torch.tensor([rows[i].temperature for i in sampled], device=logits.device)
+            scores = logits.index_select(0, index) / temperatures[:, None]
+            top_p = torch.tensor([rows[i].top_p for i in sampled], device=logits.device)
+            if bool((top_p < 1.0).any()):
+                scores = _top_p_filter(scores, top_p)
+            probs = torch.softmax(scores, dim=-1)
+            for j, i in enumerate(sampled):
+                chosen[i] = torch.multinomial(probs[j], 1, generator=rows[i].generator)[0]
+        return chosen.tolist()
+
+    def _accept(self, row: _Row, token: int) -> None:
+        """Record a sampled token: stream its text and decide whether the row ends."""
+        row.tokens.append(token)
+        row.next_token = token
+        if token in self.runtime.eos_token_ids:
+            row.finish_reason = "stop"
+            return
+        self._deliver(row, row.stream.push(token))
+        if row.stream.stopped:
+            row.finish_reason = "stop"
+        elif len(row.tokens) >= row.limit:
+            row.finish_reason = "length"
+
+    def _merge(self, cache, mask: torch.Tensor, rows: list[_Row]) -> None:
+        """Append prefilled rows to the running batch, left-padding the shorter cache."""
+        if not self._active:
+            self._set_batch(list(rows), cache, mask)
+            return
+        width = max(self._mask.shape[1], mask.shape[1])
+        for running, joining in zip(_layers(self._cache), _layers(cache)):
+            running.keys = torch.cat([_pad_left(running.keys, width), _pad_left(joining.keys, width)], dim=0)
+            running.values = torch.cat([_pad_left(running.values, width), _pad_left(joining.values, width)], dim=0)
+        merged_mask = torch.cat([F.pad(self._mask, (width - self._mask.shape[1], 0)),
+                                 F.pad(mask, (width - mask.shape[1], 0))], dim=0)
+        self._set_batch(self._active + list(rows), self._cache, merged_mask)
+
+    def _keep_rows(self, keep: list[int]) -> None:
+        """Shrink the running batch to the rows at ``keep`` (its finished rows leave)."""
+        if not keep:
+            self._set_batch([], None, None)
+            return
+        if len(keep) == len(self._active):
+            return
+        cache, mask = _select_rows(self._cache, self._mask, keep)
+        self._set_batch([self._active[i] for i in keep], cache, mask)
+
+    def _set_batch(self, active: list[_Row], cache, mask: torch.Tensor | None) -> None:
+        """Replace the running batch; under the lock so that stats() sees rows and cache agree."""
+        with self._lock:
+            self._active, self._cache, self._mask = active, cache, mask
+
+    # ------------------------------------------------------------------ delivering
+
+    def _deliver(self, row: _Row, delta: str) -> None:
+        if not delta or row.sink_failed:
+            return
+        try:
+            row.sink.on_delta(delta)
+        except Exception:
+            logger.exception("sink.on_delta failed for request %d; cancelling it", row.handle.request_id)
+            row.sink_failed = True
+
+    def _finish(self, row: _Row, reason: str) -> None:
+        """End a row with a result: flush its held-back text, free its reservation, tell its sink."""
+        row.finish_reason = reason
+        self._deliver(row, row.stream.finish())
+        handle = row.handle
+        handle.finished_at = time.monotonic()
+        result = GenerationResult(
+            text=row.stream.text, token_ids=list(row.tokens), finish_reason=reason,
+            prompt_tokens=handle.prompt_tokens, completion_tokens=len(row.tokens),
+            time_to_first_token_s=handle.time_to_first_token_s if row.tokens else None,
+        )
+        with self._lock:
+            if handle.admitted_at is not None:
+                self._kv_reserved -= row.kv_cost
+            self._rows_finished += 1
+            self._rows_cancelled += reason == "cancelled"
+            self._tokens_generated += len(row.tokens)
+        try:
+            row.sink.on_finish(result)
+        except Exception:
+            logger.exception("sink.on_finish failed for request %d", handle.request_id)
+
+    def _fail(self, row: _Row, error: BaseException) -> None:
+        """End a row with an exception instead of a result."""
+        row.finish_reason = "error"
+        row.handle.finished_at = time.monotonic()
+        with self._lock:
+            if row.handle.admitted_at is not None:
+                self._kv_reserved -= row.kv_cost
+            self._rows_finished += 1
+            self._rows_failed += 1
+            self._tokens_generated += len(row.tokens)
+        try:
+            row.sink.on_finish(error)
+        except Exception:
+            logger.exception("sink.on_finish failed for request %d", row.handle.request_id)
+
+    # ------------------------------------------------------------------ set-up checks
+
+    def _check_cache_layout(self) -> None:
+        """Only plain full-attention DynamicLayers can be merged and sliced as done here."""
+        from transformers import DynamicCache
+        from transformers.cache_utils import DynamicLayer
+
+        cache = DynamicCache(config=self.model.config)
+        layers = getattr(cache, "layers", None)
+        if not layers or any(type(layer) is not DynamicLayer for layer in layers):
+            kinds = sorted({type(layer).__name__ for layer in layers or []}) or ["no per-layer cache"]
+            raise ValueError(f"continuous batching supports models whose cache is plain DynamicLayers; "
+                             f"{type(self.model).__name__} uses {', '.join(kinds)}")
+
+
+def _layers(cache) -> list:
+    return list(cache.layers)
+
+
+def _pad_left(states: torch.Tensor, width: int) -> torch.Tensor:
+    """Zero-pad [rows, heads, columns, dim] on the left of the columns up to ``width``."""
+    missing = width - states.shape[-2]
+    return F.pad(states, (0, 0, missing, 0)) if missing > 0 else states
+
+
+def _select_rows(cache, mask: torch.Tensor, keep: list[int]):
+    """Keep the rows at ``keep``, and drop the leading columns that are padding in all of them."""
+    index = torch.tensor(keep, dtype=torch.long, device=mask.device)
+    mask = mask.index_select(0, index)
+    first = int(mask.any(dim=0).long().argmax())  # first column some kept row uses
+    for layer in _layers(cache):
+        layer.keys = layer.keys.index_select(0, index)[:, :, first:, :]
+        layer.values = layer.values.index_select(0, index)[:, :, first:, :]
+    return cache, mask[:, first:]
+
+
+def _top_p_filter(scores: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Nucleus filtering with a per-row top_p, as transformers' TopPLogitsWarper does for one value."""
+    sorted_scores, sorted_index = torch.sort(scores, descending=False, dim=-1)
+    cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+    remove_sorted = cumulative <= (1 - top_p)[:, None]
+    remove_sorted[:, -1] = False  # always keep the most likely token
+    remove = remove_sorted.scatter(1, sorted_index, remove_sorted)
+    return scores.masked_fill(remove, float("-inf"))
