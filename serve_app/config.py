@@ -428,6 +428,11 @@ class RouterConfig(_Section):
     max_body_bytes: int = Field(
         16 * 2**20, ge=1024, description="Largest request body accepted; larger ones get HTTP 413 unread."
     )
+    log_payloads: bool = Field(
+        False,
+        description="Log each request's inputs and generated text (first 500 characters each) in the router "
+        "log. Off by default: prompts and outputs are user data; turn on only to debug.",
+    )
 
 
 class AuthConfig(_Section):

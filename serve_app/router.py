@@ -184,6 +184,11 @@ def _unwrap(exc: BaseException) -> BaseException:
     return exc
 
 
+def _clip(value: Any, limit: int = 500) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str)
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} chars)"
+
+
 def _sse(payload: dict) -> bytes:
     """One server-sent event."""
     return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
@@ -566,6 +571,11 @@ class Router:
                 if not finished:
                     events.cancel()
 
+    def _log_payload(self, model: ModelConfig, inputs: Any, outputs: Any = None) -> None:
+        """Prompts and answers reach the log only when router.log_payloads asks for it."""
+        if self.config.router.log_payloads:
+            logger.info("payload model=%s input=%s output=%s", model.name, _clip(inputs), _clip(outputs))
+
     # ---- caching ----------------------------------------------------------------------
 
     async def _cache_call(self, method: str, *args, timeout_s: Optional[float] = None) -> Any:
@@ -805,6 +815,7 @@ class Router:
             raise InvalidRequestError("'dimensions' is not supported; omit it for the model's full size", param="dimensions")
         texts = _as_list(body.input, "input", model.max_inputs_per_request)
         out = await self._answer(model, texts, {}, lambda: self._call(model, "embed", texts), response)
+        self._log_payload(model, texts)
         data = []
         for index, vector in enumerate(out["embeddings"]):
             if body.encoding_format == "base64":
@@ -858,12 +869,14 @@ class Router:
 
         async def sse() -> AsyncIterator[bytes]:
             prompt_tokens = completion_tokens = 0
+            texts: dict[int, list[str]] = {}
             try:
                 for opening in chunk(opening=True):
                     yield _sse(opening)
                 event: Optional[dict] = first
                 while event is not None:
                     if "text" in event:
+                        texts.setdefault(event["index"], []).append(event["text"])
                         yield _sse(chunk(index=event["index"], text=event["text"]))
                     else:  # a row finished
                         prompt_tokens += event["prompt_tokens"]
@@ -873,6 +886,8 @@ class Router:
                 if include_usage:
                     yield _sse({**chunk(usage=True), "choices": [], "usage": _usage(prompt_tokens, completion_tokens)})
                 yield b"data: [DONE]\n\n"
+                self._log_payload(model, call.get("prompts") or call.get("messages"),
+                                  ["".join(texts.get(i, ())) for i in sorted(texts)])
             except Exception as exc:  # headers are gone: the error travels as the last event
                 error = exc if isinstance(exc, ServeAppError) else ServeAppError(
                     "the model failed mid-stream; see the server log", code="internal_error")
@@ -914,6 +929,7 @@ class Router:
             response,
             semantic_text=prompts[0] if len(prompts) == 1 else None,
         )
+        self._log_payload(model, prompts, [r["text"] for r in results])
         choices = [
             {"index": i, "text": r["text"], "logprobs": None, "finish_reason": r["finish_reason"]}
             for i, r in enumerate(results)
@@ -959,6 +975,7 @@ class Router:
             response,
             semantic_text="\n".join(f"{m['role']}: {m['content']}" for m in messages),
         )
+        self._log_payload(model, messages, result["text"])
         return {
             "id": f"chatcmpl-{uuid.uuid4().hex}",
             "object": "chat.completion",
@@ -994,6 +1011,7 @@ class Router:
         out = await self._answer(
             model, inputs, {"top_k": body.top_k}, lambda: self._call(model, method, inputs, body.top_k), response
         )
+        self._log_payload(model, inputs if method == "classify_texts" else f"{len(inputs)} image(s)", out["results"])
         data = [
             {"index": i, "labels": [{"label": label, "score": score} for label, score in ranked]}
             for i, ranked in enumerate(out["results"])
