@@ -898,8 +898,9 @@ class Router:
             finally:
                 await events.aclose()
 
+        # Streams skip the response cache: x-cache says "miss" as for any computed answer.
         return StreamingResponse(sse(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "x-cache": "bypass"})
+                                 headers={"Cache-Control": "no-cache", "x-cache": "miss"})
 
     @api.post("/v1/completions")
     async def completions(self, body: CompletionBody, response: Response):
