@@ -273,7 +273,7 @@ def _completion_tokens(answer: dict) -> float:
 
 @scenario
 def generation(ctx: Context) -> ScenarioResult:
-    """Chat completions from 16 concurrent clients, max_tokens 64, greedy: generated
+    """Chat completions from 16 concurrent clients, max_tokens 64, greedy, static engine: generated
     tokens/s batched (max_batch_size 16, batch_wait_timeout_s 0.5) vs unbatched
     (max_batch_size 1). A short wait split the 16 clients into two out-of-phase static
     batches (6.8 rows per batch at 0.05 s); half a second is small against a generation."""
@@ -281,6 +281,8 @@ def generation(ctx: Context) -> ScenarioResult:
     base = pick_model(ctx.models, "text-generation")
     max_tokens = 64
     common = dict(precision=ctx.precision, torch_threads=ctx.gen_torch_threads, num_cpus=1)
+    # This scenario measures static batching; generation-mixed compares the engines.
+    base.setdefault("generation", {})["engine"] = "static"
     urls = {
         "batched": ctx.cluster.deploy_models(
             "gen-batched", [variant(base, name="chat", max_batch_size=16, batch_wait_timeout_s=0.5, **common)]

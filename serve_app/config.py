@@ -83,12 +83,14 @@ class GenerationConfig(_Section):
     default_max_tokens: int = Field(64, ge=1, description="max_tokens when a request gives none.")
     max_tokens_limit: int = Field(512, ge=1, description="Largest max_tokens a request may ask for.")
     max_stop_sequences: int = Field(4, ge=0, description="Most stop strings per request (OpenAI allows 4).")
-    engine: Literal["static", "continuous"] = Field(
-        "static",
+    engine: Literal["auto", "static", "continuous"] = Field(
+        "auto",
         description="static: rows admitted together run as one padded generate() until the last one ends. "
         "continuous: iteration-level batching; requests join the running batch between decode steps and "
         "leave as soon as they end (batching.max_batch_size caps its rows, max_batch_tokens its KV cache, "
-        "counted as prompt + max_tokens per row). See the generation-mixed benchmark for which pays where.",
+        "counted as prompt + max_tokens per row). auto: continuous where the model supports it (a plain "
+        "KV cache and position_ids; not sliding-window models), else static; the generation-mixed "
+        "benchmark measured continuous ahead at every load.",
     )
 
     @model_validator(mode="after")

@@ -204,11 +204,22 @@ class ModelServer:
         # The continuous engine owns the model on its own thread; with it, generation
         # rows skip the admission window and the executor (see _submit_continuous).
         self.engine: Optional[ContinuousBatcher] = None
-        if isinstance(self.runtime, GenerationRuntime) and self.config.generation.engine == "continuous":
+        engine = self.config.generation.engine
+        if isinstance(self.runtime, GenerationRuntime) and engine != "static":
             batching = self.config.batching
-            self.engine = ContinuousBatcher(self.runtime, max_rows=batching.max_batch_size,
-                                            kv_token_budget=batching.max_batch_tokens)
-            self.engine.start()
+            try:
+                self.engine = ContinuousBatcher(self.runtime, max_rows=batching.max_batch_size,
+                                                kv_token_budget=batching.max_batch_tokens)
+            except ValueError as exc:  # a cache layout the loop cannot merge (sliding window)
+                if engine == "continuous":
+                    raise
+                logger.warning("model %s: continuous batching unavailable (%s); using the static engine",
+                               self.config.name, exc)
+            else:
+                self.engine.start()
+        if isinstance(self.runtime, GenerationRuntime):
+            logger.info("model %s generates with the %s engine", self.config.name,
+                        "continuous" if self.engine is not None else "static")
         self._apply_batching(self.config.batching)
 
     def __del__(self):
@@ -376,6 +387,8 @@ class ModelServer:
             "device": str(runtime.device),
             "dtype": str(runtime.dtype).replace("torch.", ""),
             "labels": list(getattr(runtime, "labels", []) or []),
+            "engine": ("continuous" if self.engine is not None else "static")
+            if isinstance(runtime, GenerationRuntime) else None,
         }
 
     async def get_stats(self) -> dict:
@@ -481,6 +494,14 @@ class ModelServer:
         for row, result in zip(rows, results):
             generated += result.completion_tokens
             output = row.output
+            handle = output.engine_handle
+            if handle is not None and handle.admitted_at is not None:
+                # The continuous engine's queue: from arrival until the row joined the batch
+                # (the static engine's wait is observed when its batch starts).
+                wait = max(0.0, handle.admitted_at - row.enqueued_at)
+                self.metrics.queue_wait.observe(wait)
+                self.stats.last_minute_waits.add(wait, now=finished)
+                self.stats.recent_queue_wait_s.append(wait)
             first = output.first_token_at
             if first is None and result.time_to_first_token_s is not None and output.started_at is not None:
                 first = output.started_at + result.time_to_first_token_s  # static engine, not streamed

