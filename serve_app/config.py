@@ -14,6 +14,7 @@ from typing import Any, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from serve_app.core import schedule
+from serve_app.core.quantization import Quantization, check_quantization
 
 # Kept in step with serve_app.core.runtime.TASKS (a unit test checks); not imported from
 # there so the router can read its config without importing torch.
@@ -321,6 +322,12 @@ class ModelConfig(_Section):
     precision: Literal["fp32", "bf16", "fp16"] = Field(
         "fp32", description="Weight and activation dtype. fp16 needs a GPU; bf16 uses AMX/AVX512-bf16 on recent CPUs."
     )
+    quantization: Quantization = Field(
+        "none",
+        description="Weight quantization applied at load: none | int8 (torchao weight-only, CPU or GPU) | "
+        "int4 (torchao weight-only, groups of 32; needs precision: bf16) | bnb-8bit | bnb-4bit "
+        "(bitsandbytes, GPU only, precision bf16 or fp16). See docs/optimize/ for measured quality and speed.",
+    )
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="'auto': the GPU Ray assigned if CUDA sees one, else CPU. 'cuda' requires num_gpus > 0."
     )
@@ -395,6 +402,19 @@ class ModelConfig(_Section):
                 f"batching.max_batch_size ({self.batching.max_batch_size}), so batches could never fill; "
                 "raise max_ongoing_requests"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _quantization_fits_device(self) -> "ModelConfig":
+        if self.quantization == "none":  # precision alone is checked in _device_and_precision_agree
+            return self
+        # The device a replica will get: 'auto' finds a GPU only when the model asks Ray for one.
+        on_gpu = self.device == "cuda" or (self.device == "auto" and self.resources.num_gpus > 0)
+        try:
+            check_quantization(self.quantization, self.precision, "cuda" if on_gpu else "cpu")
+        except ValueError as exc:
+            where = "a GPU" if on_gpu else f"CPU (device {self.device}, resources.num_gpus {self.resources.num_gpus})"
+            raise ValueError(f"model {self.name!r} on {where}: {exc}") from None
         return self
 
     def effective_torch_threads(self) -> int:

@@ -174,6 +174,7 @@ class ModelServer:
                     device=self.config.device,
                     trust_remote_code=self.config.trust_remote_code,
                     hub_revision=self.config.hub_revision,
+                    quantization=self.config.quantization,
                 )
             )
         except Exception as exc:
@@ -386,6 +387,7 @@ class ModelServer:
             "max_input_tokens": runtime.max_input_tokens,
             "device": str(runtime.device),
             "dtype": str(runtime.dtype).replace("torch.", ""),
+            "quantization": self.config.quantization,
             "labels": list(getattr(runtime, "labels", []) or []),
             "engine": ("continuous" if self.engine is not None else "static")
             if isinstance(runtime, GenerationRuntime) else None,

@@ -40,6 +40,7 @@ from typing import Any, Callable
 import torch
 
 from serve_app.core.errors import ContextLengthExceededError, InvalidRequestError
+from serve_app.core.quantization import check_quantization, from_pretrained_kwargs, quantize_weights
 from serve_app.core.streaming import TextStream
 
 logger = logging.getLogger(__name__)
@@ -84,6 +85,7 @@ class LoadOptions:
     trust_remote_code: bool = False
     hub_revision: str | None = None  # for hf: sources
     cache_dir: str | None = None  # converted GGUF models; default $SERVE_APP_CACHE or ~/.cache/serve_app
+    quantization: str = "none"  # one of serve_app.core.quantization.QUANTIZATIONS
 
 
 def resolve_device(requested: str = "auto") -> torch.device:
@@ -408,6 +410,7 @@ class TaskRuntime:
     revision: str
     max_input_tokens: int
     model_path: Path
+    quantization: str = "none"  # set by load_runtime; see serve_app.core.quantization
 
     def __init__(self, *, task: str, model: Any, model_path: Path, device: torch.device, dtype: torch.dtype,
                  max_input_tokens: int):
@@ -422,7 +425,8 @@ class TaskRuntime:
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(task={self.task!r}, path={str(self.model_path)!r}, device={self.device}, "
-            f"dtype={self.dtype}, revision={self.revision}, max_input_tokens={self.max_input_tokens})"
+            f"dtype={self.dtype}, quantization={self.quantization}, revision={self.revision}, "
+            f"max_input_tokens={self.max_input_tokens})"
         )
 
 
@@ -900,6 +904,8 @@ def _load_tokenizer(path: Path, trust_remote_code: bool, **kw):
 
 def _prepare(model, device: torch.device):
     model.eval()
+    if getattr(model, "hf_device_map", None):  # placed while loading (bitsandbytes), cannot be moved
+        return model
     return model.to(device)
 
 
@@ -909,17 +915,21 @@ def load_runtime(options: LoadOptions) -> TaskRuntime:
         raise ValueError(f"unknown task {options.task!r}; use one of {', '.join(TASKS)}")
     device = resolve_device(options.device)
     dtype = _resolve_dtype(options.precision, device)
+    # Before resolving the source: a GGUF conversion or hub download is wasted on a
+    # combination that cannot run.
+    check_quantization(options.quantization, options.precision, device.type)
     path = resolve_source(
         options.source, hub_revision=options.hub_revision, cache_dir=options.cache_dir,
         trust_remote_code=options.trust_remote_code,
     )
     trc = options.trust_remote_code
+    load_kwargs = dict(dtype=dtype, trust_remote_code=trc, **from_pretrained_kwargs(options.quantization, device, dtype))
     common = dict(model_path=path, device=device, dtype=dtype)
     import transformers as tf
 
     if options.task == "embedding":
         tok = _load_tokenizer(path, trc)
-        model = _prepare(tf.AutoModel.from_pretrained(path, dtype=dtype, trust_remote_code=trc), device)
+        model = _prepare(tf.AutoModel.from_pretrained(path, **load_kwargs), device)
         mx = _max_input_tokens(model.config, tok, [_sentence_transformers_max_len(path)])
         rt: TaskRuntime = EmbeddingRuntime(
             task=options.task, model=model, tokenizer=tok, pooling=_read_pooling_mode(path),
@@ -928,7 +938,7 @@ def load_runtime(options: LoadOptions) -> TaskRuntime:
     elif options.task == "text-classification":
         tok = _load_tokenizer(path, trc)
         model = _prepare(
-            tf.AutoModelForSequenceClassification.from_pretrained(path, dtype=dtype, trust_remote_code=trc), device
+            tf.AutoModelForSequenceClassification.from_pretrained(path, **load_kwargs), device
         )
         rt = TextClassificationRuntime(
             task=options.task, model=model, tokenizer=tok, max_input_tokens=_max_input_tokens(model.config, tok),
@@ -941,7 +951,7 @@ def load_runtime(options: LoadOptions) -> TaskRuntime:
             raise ValueError(f"model directory {str(path)!r} has no usable image processor "
                              f"(preprocessor_config.json): {exc}") from exc
         model = _prepare(
-            tf.AutoModelForImageClassification.from_pretrained(path, dtype=dtype, trust_remote_code=trc), device
+            tf.AutoModelForImageClassification.from_pretrained(path, **load_kwargs), device
         )
         rt = ImageClassificationRuntime(
             task=options.task, model=model, processor=processor, max_input_tokens=1, **common,
@@ -951,10 +961,17 @@ def load_runtime(options: LoadOptions) -> TaskRuntime:
         tok.padding_side = "left"
         if tok.pad_token is None and tok.eos_token is not None:
             tok.pad_token = tok.eos_token
-        model = _prepare(tf.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trc), device)
+        model = _prepare(tf.AutoModelForCausalLM.from_pretrained(path, **load_kwargs), device)
         rt = GenerationRuntime(
             task=options.task, model=model, tokenizer=tok, max_input_tokens=_max_input_tokens(model.config, tok),
             **common,
         )
+    # After the runtime is built: torchao packs weights for the device they are on.
+    quantize_weights(rt.model, options.quantization)
+    rt.quantization = options.quantization
+    # Cache keys carry the revision. The same files served at another precision or
+    # quantization answer slightly differently, so they get their own revision.
+    if options.precision != "fp32" or options.quantization != "none":
+        rt.revision = f"{rt.revision}-{options.precision}-{options.quantization}"
     logger.info("loaded %r", rt)
     return rt

@@ -100,6 +100,9 @@ def test_bf16_on_cpu_loads(tiny_bert_embedding_dir):
     assert emb.dtype == torch.bfloat16 and next(emb.model.parameters()).dtype == torch.bfloat16
     (vec,) = emb.embed([emb.tokenize("hello world")])
     assert math.isclose(sum(v * v for v in vec), 1.0, rel_tol=1e-3)
+    # Its answers differ from fp32's, so cached fp32 answers must not be served for it.
+    fp32 = load_runtime(LoadOptions(source=str(tiny_bert_embedding_dir), task="embedding"))
+    assert emb.revision == f"{fp32.revision}-bf16-none"
 
 
 # --------------------------------------------------------------------------- sources, revisions
