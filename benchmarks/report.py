@@ -9,7 +9,8 @@ from pathlib import Path
 from benchmarks.machine import machine_line
 
 _COLUMNS = ["variant", "concurrency", "requests", "errors", "throughput_rps", "p50_ms", "p95_ms", "p99_ms"]
-_EXTRA = ["padding_efficiency", "model_calls_per_batch", "tokens_per_s", "mean_batch_rows", "p50_ttft_ms", "p95_ttft_ms"]
+_EXTRA = ["padding_efficiency", "model_calls_per_batch", "tokens_per_s", "mean_batch_rows", "p50_ttft_ms", "p95_ttft_ms",
+          "cosine_mean", "cosine_min"]
 
 
 def _cell(value) -> str:

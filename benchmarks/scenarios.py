@@ -409,4 +409,4 @@ def trace(ctx: Context) -> ScenarioResult:
 
 
 # Scenarios kept in their own modules register on import.
-from benchmarks import day, generation_mixed  # noqa: E402,F401
+from benchmarks import day, generation_mixed, precision  # noqa: E402,F401
