@@ -59,22 +59,10 @@ def redis_url(tmp_path_factory):
             f"no Redis answers at {url} and there is no redis-server on PATH: "
             "install one (apt-get install redis-server) or set REDIS_URL to a running server"
         )
-    port = free_port()
-    data_dir = tmp_path_factory.mktemp("redis")
-    proc = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(data_dir)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    own_url = f"redis://127.0.0.1:{port}/0"
+    proc, own_url, problem = _start_redis_server(binary, tmp_path_factory.mktemp("redis"))
     try:
-        deadline = time.monotonic() + 10.0
-        while not _answers(own_url, timeout_s=0.2):
-            if proc.poll() is not None:
-                pytest.skip(f"redis-server exited with code {proc.returncode} on port {port}")
-            if time.monotonic() > deadline:
-                pytest.skip(f"redis-server on port {port} did not answer within 10 s")
-            time.sleep(0.05)
+        if problem:
+            pytest.skip(problem)
         yield own_url
     finally:
         if proc.poll() is None:
@@ -112,20 +100,31 @@ def private_redis(tmp_path):
     binary = shutil.which("redis-server")
     if binary is None:
         pytest.skip("redis-server is not on PATH: install one (apt-get install redis-server)")
-    port = free_port()
-    process = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(tmp_path)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"redis://127.0.0.1:{port}/0"
+    process, url, problem = _start_redis_server(binary, tmp_path)
     try:
-        deadline = time.monotonic() + 10.0
-        while not _answers(url, timeout_s=0.2):
-            if process.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"redis-server on port {port} did not start (exit code {process.poll()})")
-            time.sleep(0.05)
+        if problem:
+            pytest.fail(problem)
         yield process, url
     finally:
         process.kill()
         process.wait()
+
+
+def _start_redis_server(binary: str, data_dir) -> tuple[subprocess.Popen, str, str | None]:
+    """A redis-server on a free port that keeps nothing on disk; returns the process, its
+    URL, and what went wrong if it does not answer within 10 s (None when it does)."""
+    port = free_port()
+    process = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(data_dir)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"redis://127.0.0.1:{port}/0"
+    deadline = time.monotonic() + 10.0
+    while not _answers(url, timeout_s=0.2):
+        if process.poll() is not None:
+            return process, url, f"redis-server exited with code {process.returncode} on port {port}"
+        if time.monotonic() > deadline:
+            return process, url, f"redis-server on port {port} did not answer within 10 s"
+        time.sleep(0.05)
+    return process, url, None

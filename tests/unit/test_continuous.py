@@ -10,7 +10,6 @@ import threading
 import time
 
 import pytest
-import torch
 
 from serve_app.core.continuous import BatcherClosedError, ContinuousBatcher
 from serve_app.core.runtime import (
@@ -23,15 +22,7 @@ from serve_app.core.runtime import (
 )
 
 GREEDY = SamplingParams(temperature=0.0)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Two cores are shared with other work: keep torch to one thread here."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -11,15 +10,7 @@ from serve_app.core.runtime import GenerationRequest, GenerationRuntime, LoadOpt
 from serve_app.core.streaming import TextStream, first_stop
 
 GREEDY = SamplingParams(temperature=0.0)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Two cores are shared with other work: keep torch to one thread here."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _piece_decoder(pieces: list[str]):
