@@ -26,7 +26,7 @@ from ray import serve
 from serve_app.config import BatchingConfig, ModelConfig
 from serve_app.core.batching import arrival_order_plan, plan_batches, scatter
 from serve_app.core.continuous import ContinuousBatcher
-from serve_app.core.errors import ContextLengthExceededError, InvalidRequestError
+from serve_app.core.errors import ContextLengthExceededError, DeadlineExceededError, InvalidRequestError
 from serve_app.core.executor import Budget, ModelPacedExecutor
 from serve_app.core.recent import RecentEvents, mean, percentile
 from serve_app.core.runtime import (
@@ -58,6 +58,7 @@ class _Row:
     token_budget: int
     row_budget: int
     output: Optional["_RowOutput"] = None  # generation rows: streaming and cancellation
+    deadline: Optional[float] = None  # time.time() after which its caller no longer waits
 
 
 class _RowOutput:
@@ -94,6 +95,13 @@ class _RowOutput:
             self.outcome.set_exception(outcome)
         else:
             self.outcome.set_result(outcome)
+
+
+def _expired(row: _Row) -> Optional[BaseException]:
+    """The error for a row whose caller's deadline passed while it waited, else None."""
+    if row.deadline is not None and time.time() > row.deadline:
+        return DeadlineExceededError("the request's deadline passed while it waited for the model", code="timeout")
+    return None
 
 
 def _batch_cost(rows: Sequence[_Row]) -> int:
@@ -201,6 +209,7 @@ class ModelServer:
             self._run_batch,
             budget=lambda: Budget(max_rows=self.batching.max_batch_size, max_tokens=self.batching.max_batch_tokens),
             row_tokens=lambda row: row.tokens,
+            expired=_expired,
         )
         # The continuous engine owns the model on its own thread; with it, generation
         # rows skip the admission window and the executor (see _submit_continuous).
@@ -252,7 +261,7 @@ class ModelServer:
 
     # ---- the batch queue --------------------------------------------------------
 
-    def _row(self, payload: Any, tokens: int, group: Any = None) -> _Row:
+    def _row(self, payload: Any, tokens: int, group: Any = None, deadline: Optional[float] = None) -> _Row:
         return _Row(
             payload=payload,
             tokens=tokens,
@@ -260,6 +269,7 @@ class ModelServer:
             enqueued_at=time.monotonic(),
             token_budget=self.batching.max_batch_tokens,
             row_budget=self.batching.max_batch_size,
+            deadline=deadline,
         )
 
     @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.01, batch_size_fn=_batch_cost)
@@ -403,23 +413,26 @@ class ModelServer:
             stats["engine"] = {"kind": "continuous", **dataclasses.asdict(self.engine.stats())}
         return stats
 
-    async def embed(self, texts: list[str]) -> dict:
+    # ``deadline`` (time.time() seconds), from the router: past it, a row still waiting
+    # for the model is dropped with a 504 instead of being computed for nobody.
+
+    async def embed(self, texts: list[str], deadline: Optional[float] = None) -> dict:
         runtime = self._require(EmbeddingRuntime, "embeddings")
         token_rows = [_with_param(runtime.tokenize, text, "input", i, len(texts)) for i, text in enumerate(texts)]
-        vectors = await self._submit([self._row(ids, len(ids)) for ids in token_rows])
+        vectors = await self._submit([self._row(ids, len(ids), deadline=deadline) for ids in token_rows])
         return {"embeddings": vectors, "prompt_tokens": sum(len(ids) for ids in token_rows)}
 
-    async def classify_texts(self, texts: list[str], top_k: int) -> dict:
+    async def classify_texts(self, texts: list[str], top_k: int, deadline: Optional[float] = None) -> dict:
         runtime = self._require(TextClassificationRuntime, "text classification")
         token_rows = [_with_param(runtime.tokenize, text, "input", i, len(texts)) for i, text in enumerate(texts)]
-        ranked = await self._submit([self._row(ids, len(ids)) for ids in token_rows])
+        ranked = await self._submit([self._row(ids, len(ids), deadline=deadline) for ids in token_rows])
         return {"results": [r[:top_k] for r in ranked], "prompt_tokens": sum(len(ids) for ids in token_rows)}
 
-    async def classify_images(self, images: list[bytes], top_k: int) -> dict:
+    async def classify_images(self, images: list[bytes], top_k: int, deadline: Optional[float] = None) -> dict:
         runtime = self._require(ImageClassificationRuntime, "image classification")
         pixels = [_with_param(runtime.decode, image, "image", i, len(images)) for i, image in enumerate(images)]
         # Every image is resized to the same shape, so each row costs the same.
-        ranked = await self._submit([self._row(p, 1) for p in pixels])
+        ranked = await self._submit([self._row(p, 1, deadline=deadline) for p in pixels])
         return {"results": [r[:top_k] for r in ranked], "prompt_tokens": 0}
 
     def _generation_rows(
@@ -432,6 +445,7 @@ class ModelServer:
         top_p: float,
         stop: Sequence[str],
         seed: Optional[int],
+        deadline: Optional[float],
         deltas: Optional[asyncio.Queue] = None,
     ) -> list[_Row]:
         """One row per prompt (completions) or one for the chat (``messages``), checked
@@ -456,7 +470,7 @@ class ModelServer:
         rows = []
         for index, ids in enumerate(prompt_rows):
             row = self._row(GenerationRequest(prompt_ids=ids, max_tokens=max_tokens, stop=tuple(stop)),
-                            len(ids) + max_tokens, params)
+                            len(ids) + max_tokens, params, deadline=deadline)
             row.output = _RowOutput(index, loop, deltas)
             rows.append(row)
         return rows
@@ -488,6 +502,8 @@ class ModelServer:
         for row in rows:
             row.output.outcome = loop.create_future()
             row.output.engine_handle = self.engine.submit(row.payload, row.group, row.output)
+            if row.deadline is not None:  # ends the row, waiting or running, when its caller gives up
+                loop.call_later(max(0.0, row.deadline - time.time()), self.engine.cancel, row.output.engine_handle)
         return list(await asyncio.gather(*(row.output.outcome for row in rows)))
 
     def _observe_generation(self, rows: list[_Row], results: list[GenerationResult]) -> None:
@@ -525,10 +541,11 @@ class ModelServer:
         top_p: float,
         stop: Sequence[str] = (),
         seed: Optional[int] = None,
+        deadline: Optional[float] = None,
     ) -> list[dict]:
         """Generate for each prompt (completions) or for one chat (``messages``)."""
         rows = self._generation_rows(prompts=prompts, messages=messages, max_tokens=max_tokens,
-                                     temperature=temperature, top_p=top_p, stop=stop, seed=seed)
+                                     temperature=temperature, top_p=top_p, stop=stop, seed=seed, deadline=deadline)
         return [_finished(result) for result in await self._run_generation(rows)]
 
     async def generate_stream(
@@ -541,6 +558,7 @@ class ModelServer:
         top_p: float,
         stop: Sequence[str] = (),
         seed: Optional[int] = None,
+        deadline: Optional[float] = None,
     ) -> AsyncIterator[dict]:
         """:meth:`generate`, streamed: ``{"index", "text"}`` events as rows produce
         text, then one ``{"index", "finish_reason", "prompt_tokens",
@@ -548,7 +566,8 @@ class ModelServer:
         that goes away (Serve cancels this generator) ends them at the next step."""
         deltas: asyncio.Queue = asyncio.Queue()
         rows = self._generation_rows(prompts=prompts, messages=messages, max_tokens=max_tokens,
-                                     temperature=temperature, top_p=top_p, stop=stop, seed=seed, deltas=deltas)
+                                     temperature=temperature, top_p=top_p, stop=stop, seed=seed,
+                                     deadline=deadline, deltas=deltas)
         results = asyncio.ensure_future(self._run_generation(rows))
         try:
             while not results.done():

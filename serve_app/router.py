@@ -424,6 +424,8 @@ async def _on_unexpected_error(request: Request, exc: Exception):
 
 # How stale the controller's view of the model deployments may be in /healthz and stats.
 _STATES_MAX_AGE_S = 5.0
+# ModelServer methods that queue rows for the model and take the request's deadline.
+_INFERENCE_METHODS = frozenset({"embed", "classify_texts", "classify_images", "generate"})
 
 
 @serve.deployment
@@ -493,6 +495,8 @@ class Router:
         effects), a bounded number of times with backoff, while Ray restarts it."""
         router = self.config.router
         deadline = time.monotonic() + router.request_timeout_s
+        if method in _INFERENCE_METHODS:  # rows still queued at the deadline are dropped, not computed
+            kwargs["deadline"] = time.time() + router.request_timeout_s
         for attempt in range(router.replica_retries + 1):
             response = getattr(self.handles[model.name], method).remote(*args, **kwargs)
             try:
@@ -544,6 +548,7 @@ class Router:
         """
         router = self.config.router
         deadline = time.monotonic() + router.request_timeout_s
+        kwargs["deadline"] = time.time() + router.request_timeout_s
         handle = self.handles[model.name].options(stream=True)
         for attempt in range(router.replica_retries + 1):
             events = handle.generate_stream.remote(**kwargs)

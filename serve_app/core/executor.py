@@ -36,7 +36,9 @@ class ModelPacedExecutor(Generic[Row]):
 
     ``run_batch(rows) -> results`` must return one result per row, in order (an
     Exception object in a slot fails only that row). ``row_tokens(row)`` is the row's
-    cost against ``budget().max_tokens``.
+    cost against ``budget().max_tokens``. ``expired(row)``, if given, returns the
+    exception for a row whose caller's deadline has passed (else None): such a row
+    fails with it when its turn comes instead of being computed for nobody.
     """
 
     def __init__(
@@ -45,10 +47,12 @@ class ModelPacedExecutor(Generic[Row]):
         *,
         budget: Callable[[], Budget],
         row_tokens: Callable[[Row], int],
+        expired: Callable[[Row], BaseException | None] | None = None,
     ):
         self._run_batch = run_batch
         self._budget = budget
         self._row_tokens = row_tokens
+        self._expired = expired
         self._waiting: deque[tuple[Row, asyncio.Future]] = deque()
         self._wake: asyncio.Event | None = None
         self._worker: asyncio.Task | None = None
@@ -81,6 +85,11 @@ class ModelPacedExecutor(Generic[Row]):
             row, future = self._waiting[0]
             if future.done():  # the caller went away: do not spend compute on it
                 self._waiting.popleft()
+                continue
+            error = self._expired(row) if self._expired is not None else None
+            if error is not None:  # its deadline passed while it waited
+                self._waiting.popleft()
+                future.set_exception(error)
                 continue
             cost = min(self._row_tokens(row), budget.max_tokens)
             if taken and (len(taken) + 1 > budget.max_rows or tokens + cost > budget.max_tokens):

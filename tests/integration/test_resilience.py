@@ -200,14 +200,16 @@ def test_retuning_and_a_new_model_revision_drop_no_request(redeploy_apps, tiny_b
     print(f"{len(answers)} requests across a retune (at #{retuned_at}) and a new revision: 0 failed")
 
 
-def test_requests_past_their_deadline_get_504_and_leave_the_queue(redeploy_apps, tiny_llama_dir, deployed):
-    # One row per model call and a 1 s deadline: of a burst of long generations, the
-    # later ones cannot start in time. Each gets a 504 at its deadline and its row is
-    # dropped from the queue, so the model never computes it.
+@pytest.mark.parametrize("engine", ["static", "continuous"])
+def test_requests_past_their_deadline_get_504_and_leave_the_queue(redeploy_apps, tiny_llama_dir, deployed, engine):
+    # One row at a time and a 1 s deadline: of a burst of long generations, the later
+    # ones cannot start in time. Each gets a 504 at its deadline, and its row leaves the
+    # queue (the static engine's batch queue, the continuous engine's waiting rows)
+    # without being computed.
     redeploy_apps([extra_app("deadline", {
         "name": "tiny-llama", "source": str(tiny_llama_dir), "task": "text-generation",
         "batching": {"max_batch_size": 1, "batch_wait_timeout_s": 0.0},
-        "generation": {"default_max_tokens": 64, "max_tokens_limit": 64},
+        "generation": {"default_max_tokens": 64, "max_tokens_limit": 64, "engine": engine},
         "resources": SMALL,
     }, router={"request_timeout_s": 1.0}, cache={"enabled": False})])
     base = f"{deployed}/deadline"
@@ -226,10 +228,14 @@ def test_requests_past_their_deadline_get_504_and_leave_the_queue(redeploy_apps,
     assert set(statuses) <= {200, 504} and 504 in statuses, statuses
     assert all(kind == "timeout_error" for s, kind, _ in results if s == 504)
     assert max(t for _, _, t in results) < 4.0, "every request ends by its deadline"
-    time.sleep(1.5)  # let the replica finish the one row it was running
-    rows = httpx.get(f"{base}/v1/stats", timeout=30).json()["models"]["tiny-llama"]["rows"]
-    print(f"burst of 32 with a 1 s deadline: {statuses.count(200)} answered, {statuses.count(504)} got 504; "
-          f"model computed {rows} rows")
-    assert rows < len(results), "timed-out requests were dropped from the batch queue, not computed"
+    time.sleep(1.5)  # let the replica finish the row it was running
+    stats = httpx.get(f"{base}/v1/stats", timeout=30).json()["models"]["tiny-llama"]
+    if engine == "static":
+        computed = stats["rows"]  # rows that reached a model call
+    else:
+        computed = stats["engine"]["rows_admitted"]  # rows that joined the running batch
+    print(f"{engine}: burst of 32 with a 1 s deadline: {statuses.count(200)} answered, {statuses.count(504)} got 504; "
+          f"model computed {computed} rows")
+    assert computed < len(results), "timed-out requests left the queue instead of being computed"
     after = httpx.post(f"{base}/v1/completions", json={**body, "max_tokens": 4}, timeout=30)
     assert after.status_code == 200

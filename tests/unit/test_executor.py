@@ -100,6 +100,29 @@ def test_cancelled_rows_are_not_computed():
     assert asyncio.run(main()).calls == [["busy"], ["kept"]]
 
 
+def test_rows_past_their_deadline_fail_instead_of_running():
+    class TooLate(Exception):
+        pass
+
+    async def main():
+        model = FakeModel()
+        late: set[str] = set()
+        executor = ModelPacedExecutor(model, budget=lambda: Budget(64, 10_000), row_tokens=lambda row: 10,
+                                      expired=lambda row: TooLate(row) if row in late else None)
+        model.gate.clear()
+        busy = executor.submit(["busy"])
+        await asyncio.sleep(0.05)
+        stale, fresh = executor.submit(["stale", "fresh"])
+        late.add("stale")  # its caller's deadline passes while the model is busy
+        model.gate.set()
+        await asyncio.gather(*busy, fresh)
+        with pytest.raises(TooLate):
+            await stale
+        return model
+
+    assert asyncio.run(main()).calls == [["busy"], ["fresh"]]
+
+
 def test_a_crashing_model_call_fails_its_rows_and_the_worker_keeps_going():
     calls = []
 
