@@ -499,12 +499,20 @@ class ModelServer:
         self.stats.requests += 1
         self.stats.rows += len(rows)
         loop = asyncio.get_running_loop()
-        for row in rows:
-            row.output.outcome = loop.create_future()
-            row.output.engine_handle = self.engine.submit(row.payload, row.group, row.output)
-            if row.deadline is not None:  # ends the row, waiting or running, when its caller gives up
-                loop.call_later(max(0.0, row.deadline - time.time()), self.engine.cancel, row.output.engine_handle)
-        return list(await asyncio.gather(*(row.output.outcome for row in rows)))
+        deadline_timers = []
+        try:
+            for row in rows:
+                row.output.outcome = loop.create_future()
+                row.output.engine_handle = self.engine.submit(row.payload, row.group, row.output)
+                if row.deadline is not None:  # ends the row, waiting or running, when its caller gives up
+                    deadline_timers.append(loop.call_later(
+                        max(0.0, row.deadline - time.time()), self.engine.cancel, row.output.engine_handle))
+            return list(await asyncio.gather(*(row.output.outcome for row in rows)))
+        finally:
+            # Ended either way: drop the timers rather than hold them for the whole
+            # request timeout (one per row; thousands under load).
+            for timer in deadline_timers:
+                timer.cancel()
 
     def _observe_generation(self, rows: list[_Row], results: list[GenerationResult]) -> None:
         finished = time.monotonic()
