@@ -13,8 +13,8 @@ from ray.serve import Application
 
 from serve_app.cache_server import CacheServer
 from serve_app.config import AppConfig, LoadProfileConfig, ModelConfig, model_deployment_name, parse_app_config
-from serve_app.model_server import ModelServer
-from serve_app.router import Router
+from serve_app.replica.model_server import ModelServer
+from serve_app.ingress.router import Router
 from serve_app.scaling import POLICY_IMPORT_PATH
 
 

@@ -3,7 +3,7 @@
 :class:`ContinuousBatcher` runs one decoding loop over a changing set of rows: a
 request joins the running batch between two decode steps and leaves it as soon as it
 ends, instead of waiting for the longest row of a static batch (which is what
-:meth:`~serve_app.core.runtime.GenerationRuntime.generate` does). Each row streams its
+:meth:`~serve_app.core.models.GenerationRuntime.generate` does). Each row streams its
 text as it grows.
 
 Threads. ``submit``, ``cancel``, ``stats`` and ``shutdown`` may be called from any
@@ -49,13 +49,13 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
-from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 
-from serve_app.core.runtime import GenerationRequest, GenerationResult, GenerationRuntime, SamplingParams
+from serve_app.core import kv_cache
+from serve_app.core.calls import SamplingParams
+from serve_app.core.continuous_types import BatcherClosedError, BatcherStats, GenerationSink, RowHandle
+from serve_app.core.models import GenerationRequest, GenerationResult, GenerationRuntime
 from serve_app.core.streaming import TextStream
 
 logger = logging.getLogger(__name__)
@@ -63,79 +63,6 @@ logger = logging.getLogger(__name__)
 # The idle engine thread wakes on submit() and shutdown(); this bound only matters for
 # a stop_event set by someone else, who cannot notify the condition variable.
 _IDLE_WAIT_S = 1.0
-
-
-class GenerationSink(Protocol):
-    """Where the engine delivers one request's output. Both methods run on the engine thread.
-
-    ``on_delta(text)`` is called with each non-empty piece of new text, in order; the
-    pieces concatenate exactly to the final result's ``text``. ``on_finish(outcome)``
-    is called exactly once, last, with the :class:`GenerationResult` (finish_reason
-    "stop", "length" or "cancelled") or with the exception that ended the request (a
-    model error, or :class:`BatcherClosedError` at shutdown).
-
-    Both must return quickly and must not block on the engine (e.g. hand the value to
-    an event loop with ``loop.call_soon_threadsafe``): every other row waits meanwhile.
-    They may call :meth:`ContinuousBatcher.submit` or ``cancel``. If ``on_delta``
-    raises, the error is logged and the request is cancelled at the next step.
-    """
-
-    def on_delta(self, text: str) -> None: ...
-
-    def on_finish(self, outcome: GenerationResult | BaseException) -> None: ...
-
-
-class BatcherClosedError(RuntimeError):
-    """The batcher is shut down: submit() after shutdown(), or a request still pending at shutdown."""
-
-
-@dataclass(eq=False)
-class RowHandle:
-    """One submitted request, as :meth:`ContinuousBatcher.submit` returns it.
-
-    Pass it to :meth:`ContinuousBatcher.cancel`. The engine thread fills in the
-    timestamps (``time.monotonic()`` seconds) as the request moves on; they are final
-    by the time the sink's ``on_finish`` runs.
-    """
-
-    request_id: int
-    prompt_tokens: int
-    submitted_at: float
-    admitted_at: float | None = None  # joined the running batch
-    first_token_at: float | None = None
-    finished_at: float | None = None
-    cancel_requested: bool = False
-
-    @property
-    def time_to_first_token_s(self) -> float | None:
-        """Seconds from submit() to the first token (queueing and prefill included)."""
-        return None if self.first_token_at is None else self.first_token_at - self.submitted_at
-
-    @property
-    def queue_time_s(self) -> float | None:
-        """Seconds from submit() until the row joined the batch."""
-        return None if self.admitted_at is None else self.admitted_at - self.submitted_at
-
-
-@dataclass(frozen=True)
-class BatcherStats:
-    """A snapshot of the batcher's counters, for metrics, read under one lock.
-
-    Taken during a step, a row whose sink already got its result may still count in
-    ``active_rows`` until that step ends.
-    """
-
-    steps: int  # step() calls that ran the model
-    rows_submitted: int
-    rows_admitted: int
-    rows_finished: int  # all ends: stop, length, cancelled, failed
-    rows_cancelled: int
-    rows_failed: int  # ended with an exception
-    tokens_generated: int
-    active_rows: int
-    waiting_rows: int
-    kv_tokens_reserved: int  # sum of prompt_tokens + max_tokens over active rows
-    kv_cache_slots: int  # rows x columns of the cache as allocated now (padding included)
 
 
 class _Row:
@@ -189,7 +116,7 @@ class ContinuousBatcher:
         # transformers 5.x renamed past_key_values to cache; accept both spellings.
         self._cache_kwarg = "cache" if "cache" in forward_params else "past_key_values"
         self._logits_to_keep = "logits_to_keep" in forward_params
-        self._check_cache_layout()
+        kv_cache.check_cache_layout(self.model)
 
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)  # notified on submit, cancel and shutdown
@@ -420,7 +347,7 @@ class ContinuousBatcher:
         if not keep:
             return
         if len(keep) < len(rows):
-            cache, mask = _select_rows(cache, mask, keep)
+            cache, mask = kv_cache.select_rows(cache, mask, keep)
             rows = [rows[i] for i in keep]
         self._merge(cache, mask, rows)
 
@@ -492,13 +419,8 @@ class ContinuousBatcher:
         if not self._active:
             self._set_batch(list(rows), cache, mask)
             return
-        width = max(self._mask.shape[1], mask.shape[1])
-        for running, joining in zip(_layers(self._cache), _layers(cache)):
-            running.keys = torch.cat([_pad_left(running.keys, width), _pad_left(joining.keys, width)], dim=0)
-            running.values = torch.cat([_pad_left(running.values, width), _pad_left(joining.values, width)], dim=0)
-        merged_mask = torch.cat([F.pad(self._mask, (width - self._mask.shape[1], 0)),
-                                 F.pad(mask, (width - mask.shape[1], 0))], dim=0)
-        self._set_batch(self._active + list(rows), self._cache, merged_mask)
+        merged, merged_mask = kv_cache.append_rows(self._cache, self._mask, cache, mask)
+        self._set_batch(self._active + list(rows), merged, merged_mask)
 
     def _keep_rows(self, keep: list[int]) -> None:
         """Shrink the running batch to the rows at ``keep`` (its finished rows leave)."""
@@ -507,7 +429,7 @@ class ContinuousBatcher:
             return
         if len(keep) == len(self._active):
             return
-        cache, mask = _select_rows(self._cache, self._mask, keep)
+        cache, mask = kv_cache.select_rows(self._cache, self._mask, keep)
         self._set_batch([self._active[i] for i in keep], cache, mask)
 
     def _set_batch(self, active: list[_Row], cache, mask: torch.Tensor | None) -> None:
@@ -562,41 +484,6 @@ class ContinuousBatcher:
             row.sink.on_finish(error)
         except Exception:
             logger.exception("sink.on_finish failed for request %d", row.handle.request_id)
-
-    # ------------------------------------------------------------------ set-up checks
-
-    def _check_cache_layout(self) -> None:
-        """Only plain full-attention DynamicLayers can be merged and sliced as done here."""
-        from transformers import DynamicCache
-        from transformers.cache_utils import DynamicLayer
-
-        cache = DynamicCache(config=self.model.config)
-        layers = getattr(cache, "layers", None)
-        if not layers or any(type(layer) is not DynamicLayer for layer in layers):
-            kinds = sorted({type(layer).__name__ for layer in layers or []}) or ["no per-layer cache"]
-            raise ValueError(f"continuous batching supports models whose cache is plain DynamicLayers; "
-                             f"{type(self.model).__name__} uses {', '.join(kinds)}")
-
-
-def _layers(cache) -> list:
-    return list(cache.layers)
-
-
-def _pad_left(states: torch.Tensor, width: int) -> torch.Tensor:
-    """Zero-pad [rows, heads, columns, dim] on the left of the columns up to ``width``."""
-    missing = width - states.shape[-2]
-    return F.pad(states, (0, 0, missing, 0)) if missing > 0 else states
-
-
-def _select_rows(cache, mask: torch.Tensor, keep: list[int]):
-    """Keep the rows at ``keep``, and drop the leading columns that are padding in all of them."""
-    index = torch.tensor(keep, dtype=torch.long, device=mask.device)
-    mask = mask.index_select(0, index)
-    first = int(mask.any(dim=0).long().argmax())  # first column some kept row uses
-    for layer in _layers(cache):
-        layer.keys = layer.keys.index_select(0, index)[:, :, first:, :]
-        layer.values = layer.values.index_select(0, index)[:, :, first:, :]
-    return cache, mask[:, first:]
 
 
 def _top_p_filter(scores: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -171,9 +171,11 @@ def quantize_weights(model: Any, quantization: str) -> Any:
         return model
     import torch
 
+    from serve_app.core.models.devices import DTYPES
+
     first = next(model.parameters())
     device_type, dtype = first.device.type, first.dtype
-    precision = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
+    precision = {d: name for name, d in DTYPES.items()}.get(dtype, str(dtype))
     check_quantization(quantization, precision, device_type)
     ao = _torchao()
     # HQQ picks int4 scales and zero points by a short optimization instead of min/max:

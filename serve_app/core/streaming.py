@@ -2,7 +2,7 @@
 
 :class:`TextStream` turns one row's token ids, pushed one at a time, into text deltas
 that are safe to send to a client straight away. Both generation engines use it (the
-static one in :meth:`serve_app.core.runtime.GenerationRuntime.generate`, the
+static one in :meth:`serve_app.core.models.GenerationRuntime.generate`, the
 continuous one in :mod:`serve_app.core.continuous`), so a row streams the same text
 whichever engine runs it.
 

@@ -24,8 +24,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from serve_app.core.models import LoadOptions, load_runtime
 from serve_app.core.quantization import QUANTIZATIONS
-from serve_app.core.runtime import PRECISIONS, TASKS, LoadOptions, load_runtime
+from serve_app.core.tasks import PRECISIONS, TASKS
 from serve_app.optimize import BUILTIN, calibration_texts, heldout_texts
 from serve_app.optimize import quality as q
 

@@ -9,7 +9,7 @@ Quality, by task (the candidate is compared with the reference model, not with l
   each model's perplexity on the same text.
 - text-classification: share of texts where both models give the same top label.
 
-Models are compared through their runtimes (:mod:`serve_app.core.runtime`), so pooling,
+Models are compared through their runtimes (:mod:`serve_app.core.models`), so pooling,
 padding and tokenization are the ones the server uses; :func:`with_model` puts an
 in-memory model (a pruned one before it is saved) behind a loaded runtime.
 """
@@ -29,7 +29,7 @@ from typing import Any, Sequence
 import torch
 
 from serve_app.core.quantization import parameter_count, weight_bytes
-from serve_app.core.runtime import EmbeddingRuntime, GenerationRuntime, TaskRuntime, TextClassificationRuntime
+from serve_app.core.models import EmbeddingRuntime, GenerationRuntime, TaskRuntime, TextClassificationRuntime
 
 # Weight files transformers loads (safetensors first); what "bytes on disk" counts.
 _WEIGHT_PATTERNS = ("*.safetensors", "*.bin")

@@ -90,13 +90,6 @@ def test_bad_config_names_path_value_and_fix(args, expected):
         assert fragment in str(info.value), str(info.value)
 
 
-def test_config_tasks_match_runtime_tasks():
-    from serve_app.config import Task
-    from serve_app.core.runtime import TASKS
-
-    assert set(Task.__args__) == set(TASKS)
-
-
 def test_readme_config_reference_is_current():
     from serve_app.config import reference_markdown
 

@@ -11,15 +11,10 @@ import time
 
 import pytest
 
-from serve_app.core.continuous import BatcherClosedError, ContinuousBatcher
-from serve_app.core.runtime import (
-    GenerationRequest,
-    GenerationResult,
-    GenerationRuntime,
-    LoadOptions,
-    SamplingParams,
-    load_runtime,
-)
+from serve_app.core.calls import SamplingParams
+from serve_app.core.continuous import ContinuousBatcher
+from serve_app.core.continuous_types import BatcherClosedError
+from serve_app.core.models import GenerationRequest, GenerationResult, GenerationRuntime, LoadOptions, load_runtime
 
 GREEDY = SamplingParams(temperature=0.0)
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -12,7 +12,8 @@ import torch
 import tiny_models
 from serve_app.core import pruning
 from serve_app.core.quantization import parameter_count
-from serve_app.core.runtime import GenerationRequest, LoadOptions, SamplingParams, load_runtime
+from serve_app.core.calls import SamplingParams
+from serve_app.core.models import GenerationRequest, LoadOptions, load_runtime
 from serve_app.optimize import __main__ as cli
 from serve_app.optimize import calibration_texts, heldout_texts
 from serve_app.optimize import quality

@@ -22,7 +22,7 @@ from serve_app.core.quantization import (
     quantize_weights,
     weight_bytes,
 )
-from serve_app.core.runtime import LoadOptions, load_runtime
+from serve_app.core.models import LoadOptions, load_runtime
 from serve_app.optimize import heldout_texts
 from serve_app.optimize import quality
 

@@ -1,4 +1,4 @@
-"""serve_app.core.runtime on tiny offline models, plus the two packaged demo models."""
+"""serve_app.core.models on tiny offline models, plus the two packaged demo models."""
 
 from __future__ import annotations
 
@@ -14,16 +14,16 @@ import pytest
 import torch
 
 import tiny_models
-from serve_app.core import runtime as rt
+from serve_app.core.calls import SamplingParams
 from serve_app.core.errors import ContextLengthExceededError, InvalidRequestError
-from serve_app.core.runtime import (
+from serve_app.core.models import (
     EmbeddingRuntime,
     GenerationRequest,
     GenerationRuntime,
     ImageClassificationRuntime,
     LoadOptions,
-    SamplingParams,
     TextClassificationRuntime,
+    encoders,
     load_runtime,
     model_revision,
     resolve_device,
@@ -336,7 +336,7 @@ def test_image_decode_rejects_garbage(vit, data):
 
 
 def test_image_decode_rejects_huge_images(vit, monkeypatch):
-    monkeypatch.setattr(rt, "MAX_IMAGE_PIXELS", 1000)
+    monkeypatch.setattr(encoders, "MAX_IMAGE_PIXELS", 1000)
     with pytest.raises(InvalidRequestError) as err:
         vit.decode(_png(size=(50, 50)))
     assert err.value.param == "image" and "2500" in err.value.message and "1000" in err.value.message

@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from serve_app.core.runtime import GenerationRequest, GenerationRuntime, LoadOptions, SamplingParams, load_runtime
+from serve_app.core.calls import SamplingParams
+from serve_app.core.models import GenerationRequest, GenerationRuntime, LoadOptions, load_runtime
 from serve_app.core.streaming import TextStream, first_stop
 
 GREEDY = SamplingParams(temperature=0.0)

@@ -1,0 +1,209 @@
+"""One served model (``args.models[]``) and its batching, resources and generation sections."""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Literal, Optional
+
+from pydantic import Field, field_validator, model_validator
+
+from serve_app.config.base import _Section
+from serve_app.config.cache import ModelCacheConfig
+from serve_app.core.quantization import Quantization, check_quantization
+from serve_app.core.tasks import PRECISIONS, TASKS
+
+Task = Literal[TASKS]
+Precision = Literal[PRECISIONS]
+
+_MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+class BatchingConfig(_Section):
+    """Dynamic batching knobs. They travel as the deployment's ``user_config``, so
+    changing them in the YAML and redeploying retunes live replicas without a restart."""
+
+    max_batch_size: int = Field(
+        32, ge=1, le=4096, description="Most requests (rows) one batch may hold; 1 turns batching off."
+    )
+    max_batch_tokens: int = Field(
+        8192,
+        ge=1,
+        description="Most real tokens one batch may hold (for generation: prompt + max_tokens per row); "
+        "also the padded-token cap of each length-sorted sub-batch. Bounds activation memory.",
+    )
+    batch_wait_timeout_s: float = Field(
+        0.01, ge=0.0, le=10.0, description="How long the first request of a batch waits for others, in seconds."
+    )
+    sub_batch_overhead_tokens: int = Field(
+        32,
+        ge=0,
+        description="Fixed cost of one model call, in padded tokens, used when splitting a batch into "
+        "length-sorted sub-batches: higher makes fewer, more padded calls. Larger on GPUs.",
+    )
+    length_sorting: bool = Field(
+        True,
+        description="Sort each batch by length into sub-batches padded to their own longest row. "
+        "false pads rows in arrival order (the plain recipe; kept for benchmarks and comparison).",
+    )
+
+
+class ResourcesConfig(_Section):
+    """What one replica of a model reserves from Ray."""
+
+    num_cpus: float = Field(1.0, gt=0, description="CPUs reserved per replica; fractions allowed.")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs per replica; fractions share one GPU. 0 runs on CPU.")
+    accelerator_type: Optional[str] = Field(
+        None, description="Ray accelerator type to pin replicas to, e.g. 'A10G' or 'A100'; needs num_gpus > 0."
+    )
+    torch_threads: Optional[int] = Field(
+        None, ge=1, description="Torch intra-op threads; default: num_cpus rounded up, so replicas do not oversubscribe cores."
+    )
+
+    @model_validator(mode="after")
+    def _accelerator_needs_gpu(self) -> "ResourcesConfig":
+        if self.accelerator_type and self.num_gpus <= 0:
+            raise ValueError(
+                f"accelerator_type is {self.accelerator_type!r} but num_gpus is {self.num_gpus}; "
+                "set num_gpus > 0 or drop accelerator_type"
+            )
+        return self
+
+
+class GenerationConfig(_Section):
+    """Limits for text-generation models."""
+
+    default_max_tokens: int = Field(64, ge=1, description="max_tokens when a request gives none.")
+    max_tokens_limit: int = Field(512, ge=1, description="Largest max_tokens a request may ask for.")
+    max_stop_sequences: int = Field(4, ge=0, description="Most stop strings per request (OpenAI allows 4).")
+    engine: Literal["auto", "static", "continuous"] = Field(
+        "auto",
+        description="static: rows admitted together run as one padded generate() until the last one ends. "
+        "continuous: iteration-level batching; requests join the running batch between decode steps and "
+        "leave as soon as they end (batching.max_batch_size caps its rows, max_batch_tokens its KV cache, "
+        "counted as prompt + max_tokens per row). auto: continuous where the model supports it (a plain "
+        "KV cache and position_ids; not sliding-window models), else static; the generation-mixed "
+        "benchmark measured continuous ahead at every load.",
+    )
+
+    @model_validator(mode="after")
+    def _default_within_limit(self) -> "GenerationConfig":
+        if self.default_max_tokens > self.max_tokens_limit:
+            raise ValueError(
+                f"default_max_tokens ({self.default_max_tokens}) exceeds max_tokens_limit "
+                f"({self.max_tokens_limit}); lower the default or raise the limit"
+            )
+        return self
+
+
+class ModelConfig(_Section):
+    """One served model: one ModelServer deployment."""
+
+    name: str = Field(description="Name clients put in the request's `model` field; letters, digits, '.', '_', '-'.")
+    source: str = Field(
+        description="Where the weights come from: 'hf:Org/name' (hub or local HF cache; honours HF_HUB_OFFLINE), "
+        "'package:python_package' (weights shipped inside an installed package) or a local directory."
+    )
+    task: Task = Field(description=" | ".join(TASKS) + ".")
+    precision: Precision = Field(
+        "fp32", description="Weight and activation dtype. fp16 needs a GPU; bf16 uses AMX/AVX512-bf16 on recent CPUs."
+    )
+    quantization: Quantization = Field(
+        "none",
+        description="Weight quantization applied at load: none | int8 (torchao weight-only, CPU or GPU) | "
+        "int4 (torchao weight-only, groups of 32; needs precision: bf16) | bnb-8bit | bnb-4bit "
+        "(bitsandbytes, GPU only, precision bf16 or fp16). See docs/optimize/ for measured quality and speed.",
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="'auto': the GPU Ray assigned if CUDA sees one, else CPU. 'cuda' requires num_gpus > 0."
+    )
+    hub_revision: Optional[str] = Field(None, description="Branch, tag or commit for hf: sources.")
+    trust_remote_code: bool = Field(
+        False, description="Run Python code shipped with the model. Only for sources you trust."
+    )
+    num_replicas: Optional[int] = Field(
+        None, ge=1, description="Fixed replica count (default 1); leave it out when load_profile is set."
+    )
+    load_profile: Optional[str] = Field(
+        None, description="Name of an entry in load_profiles that scales this model by time of day and load."
+    )
+    max_ongoing_requests: int = Field(
+        256,
+        ge=1,
+        description="Requests one replica accepts at once (Ray Serve); must cover max_batch_size so batches can fill.",
+    )
+    max_queued_requests: int = Field(
+        512,
+        ge=1,
+        description="Requests each router replica may queue for this model once every replica holds "
+        "max_ongoing_requests; past it the router answers 503 with Retry-After at once.",
+    )
+    max_inputs_per_request: int = Field(
+        256, ge=1, description="Most inputs (texts, images, prompts) one HTTP request may carry."
+    )
+    top_k_limit: int = Field(20, ge=1, description="Largest top_k a classification request may ask for.")
+    batching: BatchingConfig = Field(default_factory=BatchingConfig, description="Dynamic batching knobs.")
+    resources: ResourcesConfig = Field(default_factory=ResourcesConfig, description="Per-replica resources.")
+    generation: GenerationConfig = Field(
+        default_factory=GenerationConfig, description="Generation limits (text-generation only)."
+    )
+    cache: ModelCacheConfig = Field(default_factory=ModelCacheConfig, description="How this model's answers are cached.")
+
+    @field_validator("name")
+    @classmethod
+    def _name_is_simple(cls, value: str) -> str:
+        if not _MODEL_NAME.match(value):
+            raise ValueError(
+                f"model name {value!r} must be 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"
+            )
+        return value
+
+    @field_validator("source")
+    @classmethod
+    def _source_has_known_form(cls, value: str) -> str:
+        if ":" in value.split("/")[0] and not value.startswith(("hf:", "package:")):
+            raise ValueError(
+                f"source {value!r} has an unknown scheme; use 'hf:Org/name', 'package:NAME' or a local directory path"
+            )
+        if value in ("hf:", "package:"):
+            raise ValueError(f"source {value!r} names nothing after the scheme")
+        return value
+
+    @model_validator(mode="after")
+    def _device_and_precision_agree(self) -> "ModelConfig":
+        gpus = self.resources.num_gpus
+        if self.device == "cuda" and gpus <= 0:
+            raise ValueError(
+                f"model {self.name!r}: device is 'cuda' but resources.num_gpus is {gpus}; "
+                "set resources.num_gpus > 0 or device: auto"
+            )
+        if self.precision == "fp16" and (self.device == "cpu" or gpus <= 0):
+            raise ValueError(
+                f"model {self.name!r}: precision fp16 needs a GPU but resources.num_gpus is {gpus}; "
+                "use precision: bf16 or fp32 on CPU, or give the model a GPU"
+            )
+        if self.max_ongoing_requests < self.batching.max_batch_size:
+            raise ValueError(
+                f"model {self.name!r}: max_ongoing_requests ({self.max_ongoing_requests}) is below "
+                f"batching.max_batch_size ({self.batching.max_batch_size}), so batches could never fill; "
+                "raise max_ongoing_requests"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _quantization_fits_device(self) -> "ModelConfig":
+        if self.quantization == "none":  # precision alone is checked in _device_and_precision_agree
+            return self
+        # The device a replica will get: 'auto' finds a GPU only when the model asks Ray for one.
+        on_gpu = self.device == "cuda" or (self.device == "auto" and self.resources.num_gpus > 0)
+        try:
+            check_quantization(self.quantization, self.precision, "cuda" if on_gpu else "cpu")
+        except ValueError as exc:
+            where = "a GPU" if on_gpu else f"CPU (device {self.device}, resources.num_gpus {self.resources.num_gpus})"
+            raise ValueError(f"model {self.name!r} on {where}: {exc}") from None
+        return self
+
+    def effective_torch_threads(self) -> int:
+        if self.resources.torch_threads:
+            return self.resources.torch_threads
+        return max(1, math.ceil(self.resources.num_cpus))

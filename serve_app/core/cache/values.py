@@ -1,0 +1,31 @@
+"""Cached values: responses as msgpack bytes, never pickle."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+import numpy as np
+
+
+def _msgpack_default(obj: Any) -> Any:
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    if isinstance(obj, np.generic):
+        return obj.item()
+    raise TypeError(f"cannot cache a value of type {type(obj).__name__}")
+
+
+def encode_value(obj: Any) -> bytes:
+    """msgpack bytes of a response (dicts, lists, str, int, float, bool, None; nested).
+
+    Floats stay 64-bit, so they round-trip exactly; tuples come back as lists; numpy
+    arrays and scalars are stored as lists and Python numbers. Never pickle: a shared
+    cache must not be a way to run code.
+    """
+    return msgpack.packb(obj, use_bin_type=True, default=_msgpack_default)
+
+
+def decode_value(data: bytes) -> Any:
+    """The inverse of :func:`encode_value`; raises ValueError-like errors on garbage."""
+    return msgpack.unpackb(data, raw=False, strict_map_key=False)

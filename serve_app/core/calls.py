@@ -1,0 +1,236 @@
+"""The typed calls that cross a deployment handle, and what comes back.
+
+The router turns one HTTP request into exactly one of :class:`EmbedCall`,
+:class:`ClassifyCall` or :class:`GenerateCall` and sends it to the model's replica
+(``ModelServer.infer``, or ``ModelServer.infer_stream`` for a streamed generation).
+The replica answers with the call's ``result_type`` (:class:`EmbedResult`,
+:class:`ClassifyResult`, :class:`GenerateResult`) or, streamed, with
+:class:`StreamDelta` events and one :class:`StreamEnd` per row. One object per call,
+so a field added here reaches every layer, and a typo fails at construction instead of
+deep inside a replica.
+
+Every type here is a plain frozen dataclass of builtins: no torch, no Ray, no pydantic,
+so it pickles cheaply across the handle and tests can build it without either. The
+router owns request-shape checks (field ranges, configured limits); the replica owns
+what needs the model (token counts against the context window).
+
+This module must never import ray or torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, ClassVar, Optional, Union
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Everything that must be equal for rows to share one generate() call."""
+
+    temperature: float = 1.0  # 0 -> greedy
+    top_p: float = 1.0
+    seed: Optional[int] = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature is None or self.temperature <= 0
+
+
+@dataclass(frozen=True)
+class ChatTurn:
+    """One chat message as the model sees it: the router maps "developer" to "system"."""
+
+    role: str  # "system" | "user" | "assistant"
+    content: str
+
+
+# ---- results --------------------------------------------------------------------------
+
+
+class _Wire:
+    """Results travel through the response cache as msgpack maps (never pickle)."""
+
+    def to_wire(self) -> dict:
+        return dataclasses.asdict(self)  # type: ignore[call-overload]
+
+
+@dataclass(frozen=True)
+class EmbedResult(_Wire):
+    embeddings: list[list[float]]
+    prompt_tokens: int
+
+    @classmethod
+    def from_wire(cls, data: dict) -> "EmbedResult":
+        return cls(embeddings=list(data["embeddings"]), prompt_tokens=int(data["prompt_tokens"]))
+
+
+@dataclass(frozen=True)
+class ClassifyResult(_Wire):
+    # Per input: (label, score) pairs, best first, at most the call's top_k.
+    rankings: list[list[tuple[str, float]]]
+    prompt_tokens: int
+
+    @classmethod
+    def from_wire(cls, data: dict) -> "ClassifyResult":
+        rankings = [[(str(label), float(score)) for label, score in row] for row in data["rankings"]]
+        return cls(rankings=rankings, prompt_tokens=int(data["prompt_tokens"]))
+
+
+@dataclass(frozen=True)
+class Completion(_Wire):
+    """One generated row."""
+
+    text: str
+    finish_reason: str  # "stop" | "length" | "cancelled"
+    prompt_tokens: int
+    completion_tokens: int
+
+    @classmethod
+    def from_wire(cls, data: dict) -> "Completion":
+        return cls(text=str(data["text"]), finish_reason=str(data["finish_reason"]),
+                   prompt_tokens=int(data["prompt_tokens"]), completion_tokens=int(data["completion_tokens"]))
+
+
+@dataclass(frozen=True)
+class GenerateResult(_Wire):
+    completions: list[Completion]  # one per prompt (completions) or one (chat), in order
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(c.prompt_tokens for c in self.completions)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(c.completion_tokens for c in self.completions)
+
+    @classmethod
+    def from_wire(cls, data: dict) -> "GenerateResult":
+        return cls(completions=[Completion.from_wire(c) for c in data["completions"]])
+
+
+@dataclass(frozen=True)
+class StreamDelta:
+    """New text of one row of a streamed generation."""
+
+    index: int
+    text: str
+
+
+@dataclass(frozen=True)
+class StreamEnd:
+    """One row of a streamed generation ended; its text came as deltas before."""
+
+    index: int
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+
+
+StreamEvent = Union[StreamDelta, StreamEnd]
+
+
+# ---- calls ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EmbedCall:
+    texts: tuple[str, ...]
+    # time.time() past which the caller no longer waits: rows still queued are dropped
+    # with a 504 instead of being computed for nobody. Set by the router's model client.
+    deadline: Optional[float] = None
+
+    result_type: ClassVar[type] = EmbedResult
+
+    def cache_input(self) -> Any:
+        return list(self.texts)
+
+    def cache_params(self) -> dict:
+        return {}
+
+
+@dataclass(frozen=True)
+class ClassifyCall:
+    """Exactly one of ``texts`` (text-classification) or ``images`` (encoded image bytes)."""
+
+    texts: Optional[tuple[str, ...]] = None
+    images: Optional[tuple[bytes, ...]] = None
+    top_k: int = 1
+    deadline: Optional[float] = None
+
+    result_type: ClassVar[type] = ClassifyResult
+
+    def __post_init__(self) -> None:
+        if (self.texts is None) == (self.images is None):
+            raise ValueError("a ClassifyCall carries exactly one of texts or images")
+
+    def cache_input(self) -> Any:
+        return list(self.texts if self.texts is not None else self.images)
+
+    def cache_params(self) -> dict:
+        return {"top_k": self.top_k}
+
+
+@dataclass(frozen=True)
+class GenerateCall:
+    """Completions (``prompts``: one row each) or a chat (``messages``: one row)."""
+
+    max_tokens: int
+    sampling: SamplingParams = SamplingParams()
+    prompts: Optional[tuple[str, ...]] = None
+    messages: Optional[tuple[ChatTurn, ...]] = None
+    stop: tuple[str, ...] = ()
+    deadline: Optional[float] = None
+
+    result_type: ClassVar[type] = GenerateResult
+
+    def __post_init__(self) -> None:
+        if (self.prompts is None) == (self.messages is None):
+            raise ValueError("a GenerateCall carries exactly one of prompts or messages")
+
+    @property
+    def rows(self) -> int:
+        return len(self.prompts) if self.prompts is not None else 1
+
+    def chat(self) -> Optional[list[dict]]:
+        """The messages as chat-template dicts, or None for a completion."""
+        if self.messages is None:
+            return None
+        return [{"role": turn.role, "content": turn.content} for turn in self.messages]
+
+    def cache_input(self) -> Any:
+        return list(self.prompts) if self.prompts is not None else self.chat()
+
+    def cache_params(self) -> dict:
+        return {
+            "max_tokens": self.max_tokens,
+            "temperature": self.sampling.temperature,
+            "top_p": self.sampling.top_p,
+            "stop": list(self.stop),
+            "seed": self.sampling.seed,
+        }
+
+    def semantic_text(self) -> Optional[str]:
+        """The text a semantic cache compares: a single prompt, or the whole chat."""
+        if self.messages is not None:
+            return "\n".join(f"{turn.role}: {turn.content}" for turn in self.messages)
+        return self.prompts[0] if len(self.prompts) == 1 else None
+
+
+ModelCall = Union[EmbedCall, ClassifyCall, GenerateCall]
+ModelResult = Union[EmbedResult, ClassifyResult, GenerateResult]
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a replica says about the model it serves (``ModelServer.info``)."""
+
+    name: str
+    task: str
+    revision: str  # leads the model's cache keys; changes when the weights do
+    max_input_tokens: int
+    device: str
+    dtype: str
+    quantization: str
+    labels: tuple[str, ...] = ()
+    engine: Optional[str] = None  # generation models: "static" | "continuous"

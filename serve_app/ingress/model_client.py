@@ -1,0 +1,196 @@
+"""Calls from the router to a model's deployment: one typed call, under the request's
+deadline, retried on another replica when the one serving it dies, with Serve's
+failures turned into the errors clients should see (503 with Retry-After for a full
+queue, 503 for a model that could not load, 504 past the deadline).
+
+What is called is a :class:`ModelBackend`: the adapter between our typed calls and one
+kind of deployment. :class:`ModelServerBackend` speaks to our ModelServer, whose
+methods take the calls as they are; a deployment with another API (Ray Serve LLM's
+``LLMServer``, say) gets a backend of its own that translates, and the deadline, retry
+and error mapping here stay the same for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections import Counter
+from typing import Any, AsyncIterator, Protocol
+
+from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+from ray.serve.handle import DeploymentHandle
+
+from serve_app.config import ModelConfig, RouterConfig
+from serve_app.core.calls import GenerateCall, ModelCall, ModelInfo, ModelResult, StreamEvent
+from serve_app.core.errors import DeadlineExceededError, ModelUnavailableError, OverloadedError, ServeAppError
+from serve_app.ingress.http_errors import unwrap
+
+logger = logging.getLogger("ray.serve")
+
+# Failures that mean "the replica serving this call is gone": inference has no side
+# effects, so the call may run again on another one.
+_REPLICA_LOST = (RayActorError, ActorUnavailableError)
+
+
+class PendingCall(Protocol):
+    """One call in flight: awaitable for its result, cancellable (Serve's DeploymentResponse)."""
+
+    def __await__(self): ...
+
+    def cancel(self) -> None: ...
+
+
+class PendingStream(Protocol):
+    """One streamed call in flight (Serve's DeploymentResponseGenerator)."""
+
+    def __aiter__(self): ...
+
+    async def __anext__(self) -> StreamEvent: ...
+
+    def cancel(self) -> None: ...
+
+
+class ModelBackend(Protocol):
+    """The calls one kind of model deployment answers, in our typed vocabulary."""
+
+    def infer(self, call: ModelCall) -> PendingCall: ...
+
+    def infer_stream(self, call: GenerateCall) -> PendingStream: ...
+
+    def info(self) -> PendingCall: ...
+
+    def stats(self) -> PendingCall: ...
+
+
+class ModelServerBackend:
+    """Our ModelServer deployment: its methods take and return the typed calls."""
+
+    def __init__(self, handle: DeploymentHandle):
+        # Start the handle's updates from the controller now. A handle started by its
+        # first request only learns later that its model failed to load, and that
+        # request waits for replicas that never come; started early, it gets a 503.
+        if not handle.is_initialized:
+            handle._init()
+        self.handle = handle
+        self.streaming = handle.options(stream=True)
+
+    def infer(self, call: ModelCall) -> PendingCall:
+        return self.handle.infer.remote(call)
+
+    def infer_stream(self, call: GenerateCall) -> PendingStream:
+        return self.streaming.infer_stream.remote(call)
+
+    def info(self) -> PendingCall:
+        return self.handle.info.remote()
+
+    def stats(self) -> PendingCall:
+        return self.handle.get_stats.remote()
+
+
+class ModelClient:
+    """The router's way to every model: ``infer``/``stream``/``info``/``stats`` by model."""
+
+    def __init__(self, backends: dict[str, ModelBackend], config: RouterConfig):
+        self.backends = backends
+        self.config = config
+        self.replica_retries: Counter = Counter()  # per model: calls retried after a replica died
+
+    async def infer(self, model: ModelConfig, call: ModelCall) -> ModelResult:
+        """The model's answer to ``call``; rows still queued at the deadline are
+        dropped by the replica rather than computed for nobody."""
+        timeout_s = self.config.request_timeout_s
+        call = dataclasses.replace(call, deadline=time.time() + timeout_s)
+        return await self._unary(model, lambda backend: backend.infer(call))
+
+    async def info(self, model: ModelConfig) -> ModelInfo:
+        return await self._unary(model, lambda backend: backend.info())
+
+    async def stats(self, model: ModelConfig) -> dict:
+        return await self._unary(model, lambda backend: backend.stats())
+
+    async def _unary(self, model: ModelConfig, start) -> Any:
+        """One call with the request's deadline. A full queue is a 503 at once; a
+        replica that dies under the call is retried on another, a bounded number of
+        times with backoff, while Ray restarts it."""
+        timeout_s = self.config.request_timeout_s
+        deadline = time.monotonic() + timeout_s
+        for attempt in range(self.config.replica_retries + 1):
+            response = start(self.backends[model.name])
+            try:
+                return await asyncio.wait_for(response, timeout=max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                response.cancel()
+                raise DeadlineExceededError(
+                    f"model {model.name!r} did not answer within {timeout_s}s", code="timeout"
+                ) from None
+            except _REPLICA_LOST as exc:
+                if attempt == self.config.replica_retries:
+                    raise
+                await self._before_retry(model, exc, attempt)
+            except Exception as exc:
+                raise self._model_error(model, exc) from None
+        raise AssertionError("unreachable: the last attempt returns or raises")
+
+    async def stream(self, model: ModelConfig, call: GenerateCall) -> AsyncIterator[StreamEvent]:
+        """The model's streamed generation events, under the request's deadline.
+
+        A replica lost before the first event is retried like a unary call; after it,
+        the client already holds part of the answer, so the stream fails instead.
+        Leaving early (client gone, deadline) cancels the model's stream, which frees
+        its rows in the batch.
+        """
+        timeout_s = self.config.request_timeout_s
+        deadline = time.monotonic() + timeout_s
+        call = dataclasses.replace(call, deadline=time.time() + timeout_s)
+        for attempt in range(self.config.replica_retries + 1):
+            events = self.backends[model.name].infer_stream(call)
+            started = finished = False
+            try:
+                while True:
+                    try:
+                        event = await asyncio.wait_for(events.__anext__(), max(0.0, deadline - time.monotonic()))
+                    except StopAsyncIteration:
+                        finished = True
+                        return
+                    started = True
+                    yield event
+            except asyncio.TimeoutError:
+                raise DeadlineExceededError(
+                    f"model {model.name!r} did not finish within {timeout_s}s", code="timeout"
+                ) from None
+            except _REPLICA_LOST as exc:
+                if started or attempt == self.config.replica_retries:
+                    raise
+                await self._before_retry(model, exc, attempt)
+            except Exception as exc:
+                raise self._model_error(model, exc) from None
+            finally:
+                if not finished:
+                    events.cancel()
+
+    async def _before_retry(self, model: ModelConfig, exc: BaseException, attempt: int) -> None:
+        self.replica_retries[model.name] += 1
+        logger.warning("model %s: replica lost mid-request (%s); retry %d of %d",
+                       model.name, type(exc).__name__, attempt + 1, self.config.replica_retries)
+        await asyncio.sleep(0.1 * 2**attempt)
+
+    def _model_error(self, model: ModelConfig, exc: Exception) -> Exception:
+        """What a failed model call means to the client."""
+        original = unwrap(exc)
+        if isinstance(original, ServeAppError):
+            return original
+        if isinstance(original, DeploymentUnavailableError):
+            return ModelUnavailableError(
+                f"model {model.name!r} is unavailable: its replicas failed to start (the model replica's "
+                "log says why, for example a model that failed to load); the other models still serve"
+            )
+        if isinstance(original, BackPressureError):
+            retry_after_s = self.config.retry_after_s
+            return OverloadedError(
+                f"model {model.name!r} is at capacity (its queue is full); retry after {retry_after_s}s",
+                retry_after_s=retry_after_s,
+            )
+        return exc

@@ -1,0 +1,108 @@
+"""The operator's view from the ingress: /healthz and /v1/stats.
+
+Deployment states come from the Serve controller, read at most every few seconds
+(load balancers call /healthz often); per-model figures come from this router's own
+traffic, the model replica that answers the stats call, and the response cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, Optional
+
+from ray import serve
+
+from serve_app.config import ModelConfig, model_deployment_name
+from serve_app.core.errors import ServeAppError
+from serve_app.ingress.middleware import Traffic
+from serve_app.ingress.model_client import ModelClient
+from serve_app.ingress.response_cache import ResponseCache
+
+logger = logging.getLogger("ray.serve")
+
+# How stale the controller's view of the model deployments may be in /healthz and stats.
+_STATES_MAX_AGE_S = 5.0
+
+
+class ServiceStatus:
+    def __init__(self, models: dict[str, ModelConfig], client: ModelClient, cache: ResponseCache):
+        self.models = models
+        self.client = client
+        self.cache = cache
+        self._states: tuple[dict[str, dict], float] = ({}, float("-inf"))
+
+    async def health(self) -> dict:
+        """"ok" while this router serves. A model whose deployment cannot serve (it
+        failed to load, or has no healthy replica) makes the status "degraded" and is
+        listed with Serve's reason; the other models keep serving, so a load balancer
+        should not pull this ingress for it."""
+        unavailable = {
+            name: state for name, state in (await self.deployment_states()).items()
+            if state["status"] in ("DEPLOY_FAILED", "UNHEALTHY") and not state["running"]
+        }
+        body: dict[str, Any] = {"status": "degraded" if unavailable else "ok", "models": sorted(self.models)}
+        if unavailable:
+            body["unavailable"] = unavailable
+        return body
+
+    async def stats(self, traffic: Traffic) -> dict:
+        """Per model: the last minute at a glance (requests, latency, batching, cache,
+        replicas), then the cumulative batching counters of the replica that answered."""
+        names = list(self.models)
+        # A model that cannot answer (it failed to load) gets its error, not a failed page.
+        snapshots, states, cache = await asyncio.gather(
+            asyncio.gather(*(self.client.stats(self.models[n]) for n in names), return_exceptions=True),
+            self.deployment_states(),
+            self.cache.stats(),
+        )
+        models = {}
+        for name, snapshot in zip(names, snapshots):
+            if isinstance(snapshot, BaseException):
+                error = snapshot if isinstance(snapshot, ServeAppError) else None
+                snapshot = {"error": error.message if error else f"stats unavailable: {type(snapshot).__name__}"}
+            batching = snapshot.pop("last_minute", None) or {}
+            state: Optional[dict] = states.get(name)
+            models[name] = {
+                "last_minute": {
+                    **traffic.summary(name),
+                    "mean_batch_rows": batching.get("mean_batch_rows"),
+                    "padding_efficiency": batching.get("padding_efficiency"),
+                    "p95_queue_wait_s": batching.get("p95_queue_wait_s"),
+                    "replicas": state["running"] if state else None,
+                },
+                **snapshot,
+            }
+        return {
+            "scope": "last_minute: this router replica's requests and one model replica's batches",
+            "models": models,
+            "replica_retries": dict(self.client.replica_retries),
+            "cache": cache,
+        }
+
+    async def deployment_states(self) -> dict[str, dict]:
+        """Per model: its deployment's status, RUNNING replicas and Serve's message,
+        read from the controller at most every few seconds (health checks call this)."""
+        now = time.monotonic()
+        cached, read_at = self._states
+        if now - read_at < _STATES_MAX_AGE_S:
+            return cached
+        try:
+            app = serve.get_replica_context().app_name
+            status = await asyncio.wait_for(asyncio.to_thread(serve.status), timeout=5)
+            deployments = status.applications[app].deployments
+        except Exception:  # health and stats must answer even when the controller is slow
+            logger.debug("could not read deployment states", exc_info=True)
+            return cached
+        states = {}
+        for name in self.models:
+            deployment = deployments.get(model_deployment_name(name))
+            if deployment is not None:
+                states[name] = {
+                    "status": str(getattr(deployment.status, "value", deployment.status)),
+                    "running": deployment.replica_states.get("RUNNING", 0),
+                    "message": deployment.message,
+                }
+        self._states = (states, now)
+        return states

@@ -1,0 +1,1 @@
+"""The model replica: the ModelServer deployment, its generation engines and its stats."""

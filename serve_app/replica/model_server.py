@@ -1,0 +1,298 @@
+"""ModelServer: one Ray Serve deployment per configured model.
+
+It only adapts calls to the model code. The router sends one typed call
+(:mod:`serve_app.core.calls`) per request to :meth:`ModelServer.infer` (or
+:meth:`ModelServer.infer_stream`). Each input of an embedding or classification call
+becomes one row in a ``@serve.batch`` queue (the admission window: wait timeout, row
+and token caps). The admitted rows run when the model is free, merged with any others
+waiting (``core.executor``); each model batch is cut by ``core.batching`` into
+length-sorted sub-batches, each padded only to its own longest row
+(``core.static_batch``), and the results go back to their callers in arrival order. A
+row whose sub-batch fails gets its exception back alone, so one bad item never fails
+the others.
+
+Generation calls go to the model's engine (``replica.engines``): the static engine
+queues its rows through the same admission and executor, the continuous one batches on
+its own thread. What runs each task is picked once, at load: the model call of a
+sub-batch and the handler of each call type the model serves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import time
+from typing import Any, AsyncIterator, Callable, Optional, Sequence
+
+import torch
+from ray import serve
+from ray.serve.exceptions import RayServeException
+
+from serve_app.config import BatchingConfig, ModelConfig
+from serve_app.core.calls import (
+    ClassifyCall,
+    ClassifyResult,
+    EmbedCall,
+    EmbedResult,
+    GenerateCall,
+    ModelCall,
+    ModelInfo,
+    ModelResult,
+    StreamEvent,
+)
+from serve_app.core.errors import InvalidRequestError
+from serve_app.core.executor import Budget, ModelPacedExecutor
+from serve_app.core.models import LoadOptions, load_runtime
+from serve_app.core.static_batch import Row, batch_cost, expired, new_row, run_static_batch
+from serve_app.metrics import BatchMetrics
+from serve_app.replica.engines import make_engine, static_generate
+from serve_app.replica.inputs import encode_each
+from serve_app.replica.stats import ReplicaObserver
+
+logger = logging.getLogger("ray.serve")
+
+# What each call type asks of the model, as a wrong_task error names it.
+_OPERATIONS = {
+    "embed": "embeddings",
+    "classify_texts": "text classification",
+    "classify_images": "image classification",
+    "generate": "text generation",
+    "generate_stream": "text generation",
+}
+
+
+def _operation(call: ModelCall, *, stream: bool = False) -> str:
+    if isinstance(call, GenerateCall):
+        return "generate_stream" if stream else "generate"
+    if stream:
+        raise TypeError(f"only a GenerateCall streams, not a {type(call).__name__}")
+    if isinstance(call, EmbedCall):
+        return "embed"
+    if isinstance(call, ClassifyCall):
+        return "classify_texts" if call.texts is not None else "classify_images"
+    raise TypeError(f"not a model call: {type(call).__name__}")
+
+
+def _payloads(rows: Sequence[Row]) -> list[Any]:
+    return [row.payload for row in rows]
+
+
+class _NoEngine:
+    """The engine slot of a model that does not generate."""
+
+    kind = None
+
+    def retune(self, batching: BatchingConfig) -> None:
+        pass
+
+    def stats(self) -> Optional[dict]:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+@serve.deployment
+class ModelServer:
+    def __init__(self, model_config: dict, *, runtime: Any = None, metrics: Any = None,
+                 admission_window: bool = True):
+        """``runtime``, ``metrics`` and ``admission_window=False`` are for tests outside
+        a Serve replica: a ready runtime instead of loading one, stand-in metrics, and
+        rows handed to the executor at once instead of through ``@serve.batch`` (whose
+        queue needs a replica context)."""
+        self.config = ModelConfig.model_validate(model_config)
+        self.runtime = runtime if runtime is not None else self._load()
+        self.batching = self.config.batching
+        self.observer = ReplicaObserver(metrics if metrics is not None else BatchMetrics(self.config.name))
+        self.executor = ModelPacedExecutor(
+            self._run_batch,
+            budget=lambda: Budget(max_rows=self.batching.max_batch_size, max_tokens=self.batching.max_batch_tokens),
+            row_tokens=lambda row: row.tokens,
+            expired=expired,
+        )
+        self._admit_row = self._admit if admission_window else self._admit_at_once
+        self.engine: Any = _NoEngine()
+        # Chosen once for the model's task: the model call of one sub-batch, and the
+        # handler of each call type it serves (any other type is a wrong_task error).
+        self._model_call: Callable[[list[Row]], list[Any]]
+        self._handlers: dict[str, Callable] = {}
+        {
+            "embedding": self._serve_embeddings,
+            "text-classification": lambda: self._serve_classification("classify_texts", self._classify_texts),
+            "image-classification": lambda: self._serve_classification("classify_images", self._classify_images),
+            "text-generation": self._serve_generation,
+        }[self.runtime.task]()
+        self._apply_batching(self.batching)
+
+    def _load(self):
+        config = self.config
+        torch.set_num_threads(config.effective_torch_threads())
+        started = time.perf_counter()
+        try:
+            runtime = load_runtime(LoadOptions(
+                source=config.source, task=config.task, precision=config.precision, device=config.device,
+                trust_remote_code=config.trust_remote_code, hub_revision=config.hub_revision,
+                quantization=config.quantization,
+            ))
+        except Exception as exc:
+            # Serve retries the start a few times, then marks only this deployment
+            # DEPLOY_FAILED; the router answers 503 for this model and serves the others.
+            logger.error("model %s failed to load from %s (task %s): %s: %s", config.name, config.source,
+                         config.task, type(exc).__name__, exc)
+            raise
+        logger.info(
+            "model %s loaded from %s in %.1fs: task=%s device=%s dtype=%s revision=%s context=%d threads=%d",
+            config.name, config.source, time.perf_counter() - started, runtime.task, runtime.device,
+            runtime.dtype, runtime.revision, runtime.max_input_tokens, torch.get_num_threads(),
+        )
+        return runtime
+
+    def _serve_embeddings(self) -> None:
+        runtime = self.runtime
+        self._model_call = lambda rows: runtime.embed(_payloads(rows))
+        self._handlers["embed"] = self._embed
+
+    def _serve_classification(self, operation: str, handler: Callable) -> None:
+        runtime = self.runtime
+        # Rank every label once; each caller's top_k is cut from it afterwards.
+        self._model_call = lambda rows: runtime.classify(_payloads(rows), top_k=len(runtime.labels))
+        self._handlers[operation] = handler
+
+    def _serve_generation(self) -> None:
+        self.engine = make_engine(self.runtime, self.config.generation.engine, self.batching, self.observer,
+                                  submit=self._submit, model_name=self.config.name)
+        # Only the static engine queues rows for the executor; the continuous one never does.
+        self._model_call = functools.partial(static_generate, self.runtime)
+        self._handlers.update(generate=self.engine.generate, generate_stream=self.engine.stream)
+
+    def __del__(self):
+        # Serve calls this when it stops the replica, after in-flight requests drained.
+        getattr(self, "engine", _NoEngine()).close()
+
+    # ---- configuration --------------------------------------------------------
+
+    def reconfigure(self, user_config: dict) -> None:
+        """Retune batching in place (Serve calls this on a user_config change).
+
+        ``user_config`` may name only some knobs (a ``deployments:`` override in the
+        Serve config file); the rest keep the values from the model's ``batching:``.
+        """
+        merged = {**self.config.batching.model_dump(), **(user_config or {})}
+        batching = BatchingConfig.model_validate(merged)
+        self._apply_batching(batching)
+        logger.info("model %s batching retuned: %s", self.config.name, batching.model_dump())
+
+    def _apply_batching(self, batching: BatchingConfig) -> None:
+        self.batching = batching
+        self.engine.retune(batching)
+        self._admit.set_max_batch_size(batching.max_batch_size)
+        self._admit.set_batch_wait_timeout_s(batching.batch_wait_timeout_s)
+
+    # ---- the batch queue --------------------------------------------------------
+
+    @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.01, batch_size_fn=batch_cost)
+    async def _admit(self, rows: list[Row]) -> list[asyncio.Future]:
+        # Admission only: Serve's queue gathers rows for batch_wait_timeout_s and caps
+        # them by rows and tokens; the executor then runs them when the model is free,
+        # merged with any other admitted rows still waiting (see core/executor.py).
+        # Returning at once lets Serve admit the next batch while the model runs.
+        return self.executor.submit(rows)
+
+    async def _admit_at_once(self, row: Row) -> asyncio.Future:
+        return self.executor.submit([row])[0]
+
+    def _run_batch(self, rows: list[Row]) -> list[Any]:
+        results, report = run_static_batch(rows, self._model_call, self.batching, name=self.config.name)
+        self.observer.batch(report)
+        return results
+
+    async def _submit(self, rows: list[Row]) -> list[Any]:
+        """The rows' results through admission and the executor; raises the first row error."""
+        self.observer.request()
+        futures = await asyncio.gather(*(self._admit_row(row) for row in rows))
+        # A cancelled caller cancels these futures; the executor then skips its rows.
+        results = await asyncio.gather(*futures, return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        return results
+
+    def _handler(self, call: ModelCall, *, stream: bool = False) -> Callable:
+        operation = _operation(call, stream=stream)
+        handler = self._handlers.get(operation)
+        if handler is None:
+            raise InvalidRequestError(
+                f"model {self.config.name!r} serves {self.runtime.task}, which does not support "
+                f"{_OPERATIONS[operation]}",
+                param="model",
+                code="wrong_task",
+            )
+        return handler
+
+    # ---- the API the router calls ----------------------------------------------
+
+    async def infer(self, call: ModelCall) -> ModelResult:
+        """The call's result (``call.result_type``). ``call.deadline`` (time.time()
+        seconds): past it, a row still waiting for the model is dropped with a 504
+        instead of being computed for nobody."""
+        return await self._handler(call)(call)
+
+    async def infer_stream(self, call: GenerateCall) -> AsyncIterator[StreamEvent]:
+        """A generation, streamed: :class:`StreamDelta` events as rows produce text,
+        then one :class:`StreamEnd` per row in index order. A caller that goes away
+        (Serve cancels this generator) ends its rows at the next step."""
+        async with contextlib.aclosing(self._handler(call, stream=True)(call)) as events:
+            async for event in events:
+                yield event
+
+    async def info(self) -> ModelInfo:
+        runtime = self.runtime
+        return ModelInfo(
+            name=self.config.name,
+            task=runtime.task,
+            revision=runtime.revision,
+            max_input_tokens=runtime.max_input_tokens,
+            device=str(runtime.device),
+            dtype=str(runtime.dtype).replace("torch.", ""),
+            quantization=self.config.quantization,
+            labels=tuple(getattr(runtime, "labels", None) or ()),
+            engine=self.engine.kind,
+        )
+
+    async def get_stats(self) -> dict:
+        stats = {"replica": _replica_id(), "batching": self.batching.model_dump(), **self.observer.snapshot()}
+        engine = self.engine.stats()
+        if engine is not None:
+            stats["engine"] = engine
+        return stats
+
+    # ---- handlers, chosen at load --------------------------------------------------
+
+    async def _embed(self, call: EmbedCall) -> EmbedResult:
+        vectors, prompt_tokens = await self._submit_texts(call.texts, call.deadline)
+        return EmbedResult(embeddings=vectors, prompt_tokens=prompt_tokens)
+
+    async def _classify_texts(self, call: ClassifyCall) -> ClassifyResult:
+        ranked, prompt_tokens = await self._submit_texts(call.texts, call.deadline)
+        return ClassifyResult(rankings=[r[:call.top_k] for r in ranked], prompt_tokens=prompt_tokens)
+
+    async def _classify_images(self, call: ClassifyCall) -> ClassifyResult:
+        pixels = encode_each(self.runtime.decode, call.images, "image")
+        # Every image is resized to the same shape, so each row costs the same.
+        ranked = await self._submit([new_row(p, 1, self.batching, deadline=call.deadline) for p in pixels])
+        return ClassifyResult(rankings=[r[:call.top_k] for r in ranked], prompt_tokens=0)
+
+    async def _submit_texts(self, texts: Sequence[str], deadline: Optional[float]) -> tuple[list[Any], int]:
+        """One row per text, tokenized; the outputs and the prompt tokens."""
+        token_rows = encode_each(self.runtime.tokenize, texts, "input")
+        outputs = await self._submit([new_row(ids, len(ids), self.batching, deadline=deadline) for ids in token_rows])
+        return outputs, sum(len(ids) for ids in token_rows)
+
+
+def _replica_id() -> Optional[str]:
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except RayServeException:  # outside a replica (tests)
+        return None

@@ -1,0 +1,439 @@
+"""The ingress without Ray: bodies to typed calls, OpenAI shapes, the error boundary and
+the guard on a bare FastAPI app, the model client's deadline/retry/error mapping and the
+response cache's protocol against fake handles."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+
+import numpy as np
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+from pydantic import BaseModel
+from ray.exceptions import ActorUnavailableError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+
+from serve_app.config import AppConfig, CacheConfig, ModelConfig, RouterConfig
+from serve_app.core.auth import ApiKeys
+from serve_app.core.calls import (
+    ChatTurn,
+    ClassifyCall,
+    Completion,
+    EmbedCall,
+    EmbedResult,
+    GenerateCall,
+    GenerateResult,
+    ModelInfo,
+    SamplingParams,
+    StreamDelta,
+    StreamEnd,
+)
+from serve_app.core.cache import encode_value
+from serve_app.core.errors import (
+    DeadlineExceededError,
+    InvalidRequestError,
+    ModelUnavailableError,
+    OverloadedError,
+)
+from serve_app.ingress import http_errors, protocol
+from serve_app.ingress.middleware import IngressGuard, IngressState, RequestObserver, ingress_state
+from serve_app.ingress.model_client import ModelClient
+from serve_app.ingress.notes import note
+from serve_app.ingress.response_cache import ResponseCache
+
+
+def _model(task: str = "text-generation", name: str = "m", **extra) -> ModelConfig:
+    return ModelConfig.model_validate({"name": name, "source": "package:nothing", "task": task, **extra})
+
+
+# ---- protocol: bodies -> calls -------------------------------------------------------
+
+
+def test_chat_body_becomes_one_typed_call_with_the_model_defaults():
+    model = _model(generation={"default_max_tokens": 7})
+    body = protocol.ChatCompletionBody(model="m", messages=[{"role": "developer", "content": "be brief"},
+                                                            {"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+                                       temperature=0, stop="END", seed=3)
+    call = protocol.chat_call(body, model)
+    assert call == GenerateCall(max_tokens=7, sampling=SamplingParams(temperature=0, top_p=1.0, seed=3),
+                                messages=(ChatTurn("system", "be brief"), ChatTurn("user", "hi")), stop=("END",))
+    assert call.semantic_text() == "system: be brief\nuser: hi"
+    assert protocol.chat_call(body.model_copy(update={"max_completion_tokens": 5, "max_tokens": 9}), model).max_tokens == 5
+
+
+@pytest.mark.parametrize("update, param", [
+    ({"max_tokens": 513}, "max_tokens"),
+    ({"n": 2}, "n"),
+    ({"logprobs": True}, "logprobs"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"stop": [""]}, "stop"),
+    ({"echo": True}, "echo"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": ["p"] * 257}, "prompt"),
+])
+def test_completion_limits_are_checked_at_the_router_naming_the_field(update, param):
+    body = protocol.CompletionBody.model_validate({"model": "m", "prompt": "hello", **update})
+    with pytest.raises(InvalidRequestError) as caught:
+        protocol.completion_call(body, _model())
+    assert caught.value.param == param
+
+
+def test_classify_call_decodes_images_and_names_the_bad_one():
+    model = _model("image-classification", top_k_limit=3)
+    png = base64.b64encode(b"\x89PNG fake").decode()
+    call = protocol.classify_call(protocol.ClassifyBody(model="m", image=[f"data:image/png;base64,{png}"], top_k=2),
+                                  model)
+    assert call == ClassifyCall(images=(b"\x89PNG fake",), top_k=2)
+    with pytest.raises(InvalidRequestError) as caught:
+        protocol.classify_call(protocol.ClassifyBody(model="m", image=[png, "%%%"]), model)
+    assert caught.value.param == "image[1]"
+    with pytest.raises(InvalidRequestError) as caught:
+        protocol.classify_call(protocol.ClassifyBody(model="m", image=png, top_k=4), model)
+    assert caught.value.param == "top_k"
+    with pytest.raises(InvalidRequestError):
+        protocol.ClassifyBody(model="m").task  # neither input nor image
+
+
+def test_embedding_response_base64_is_little_endian_float32():
+    result = EmbedResult(embeddings=[[0.5, -1.0]], prompt_tokens=3)
+    body = protocol.embeddings_response(result, "e", "base64")
+    assert np.frombuffer(base64.b64decode(body["data"][0]["embedding"]), dtype="<f4").tolist() == [0.5, -1.0]
+    assert body["usage"] == {"prompt_tokens": 3, "total_tokens": 3}
+
+
+def test_stream_chunks_follow_openai_shapes():
+    chat = protocol.ChatChunkFormat("m")
+    assert chat.opening()[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert chat.text(0, "hi")["choices"][0]["delta"] == {"content": "hi"}
+    assert chat.finish(0, "stop")["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}
+    completion = protocol.ChunkFormat("m")
+    assert completion.opening() == []
+    assert completion.finish(1, "length")["choices"][0]["text"] == ""
+    assert completion.usage(2, 3)["usage"] == {"prompt_tokens": 2, "total_tokens": 5, "completion_tokens": 3}
+    assert protocol.sse({"a": 1}) == b'data: {"a":1}\n\n'
+
+
+# ---- the error boundary and the guard on a bare app ------------------------------------
+
+
+class _Echo(BaseModel):
+    value: int
+
+
+def _app(state: IngressState) -> TestClient:
+    app = FastAPI()
+    app.add_middleware(IngressGuard)
+    app.add_middleware(RequestObserver)
+    http_errors.install(app)
+    app.state.ingress = state
+
+    @app.post("/v1/echo")
+    async def echo(body: _Echo) -> dict:
+        note(model="m")
+        if body.value < 0:
+            raise InvalidRequestError("value must not be negative", param="value")
+        if body.value == 0:
+            raise RuntimeError("a bug")
+        return {"value": body.value}
+
+    @app.get("/healthz")
+    async def healthz() -> dict:
+        return {"status": "ok"}
+
+    return TestClient(app, raise_server_exceptions=False)
+
+
+def test_every_error_has_the_openai_shape_and_is_observed():
+    state = IngressState()
+    client = _app(state)
+    assert client.post("/v1/echo", json={"value": 2}).json() == {"value": 2}
+    bad = client.post("/v1/echo", json={"value": "x"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "value"
+    assert client.post("/v1/echo", content=b"{", headers={"content-type": "application/json"}).json()["error"][
+        "code"] == "invalid_json"
+    assert client.post("/v1/echo", json={"value": -1}).json()["error"]["message"] == "value must not be negative"
+    crash = client.post("/v1/echo", json={"value": 0})
+    assert crash.status_code == 500 and crash.json()["error"]["code"] == "internal_error"
+    assert client.get("/nowhere").json()["error"]["code"] == "not_found"
+    assert client.get("/v1/echo").json()["error"]["code"] == "method_not_allowed"
+    summary = state.traffic.summary("m")
+    assert summary["requests"] == 3 and summary["errors"] == 2  # bodies that fail validation name no model yet
+
+
+def test_guard_refuses_large_bodies_unread_and_checks_keys_before_validation():
+    keys = ApiKeys(user_keys=(b"user-key",), admin_keys=())
+    client = _app(IngressState(keys=keys, max_body_bytes=64))
+    assert client.post("/v1/echo", content=b"x" * 65).status_code == 413
+    missing = client.post("/v1/echo", json={"value": "not even valid"})
+    assert missing.status_code == 401 and missing.headers["www-authenticate"] == "Bearer"
+    assert client.get("/healthz").status_code == 200  # public
+    ok = client.post("/v1/echo", json={"value": 1}, headers={"Authorization": "Bearer user-key"})
+    assert ok.json() == {"value": 1}
+
+
+def test_ingress_state_defaults_to_open_until_the_router_sets_it():
+    app = FastAPI()
+    assert ingress_state(app).keys is None and ingress_state(app) is ingress_state(app)
+
+
+# ---- the model client ---------------------------------------------------------------
+
+
+class _Pending:
+    """A DeploymentResponse stand-in: awaitable once, cancellable."""
+
+    def __init__(self, outcome, delay_s: float = 0.0):
+        self.outcome, self.delay_s, self.cancelled = outcome, delay_s, False
+
+    def __await__(self):
+        return self._run().__await__()
+
+    async def _run(self):
+        await asyncio.sleep(self.delay_s)
+        if isinstance(self.outcome, BaseException):
+            raise self.outcome
+        return self.outcome
+
+    def cancel(self):
+        self.cancelled = True
+
+
+class _Stream:
+    def __init__(self, events):
+        self.events, self.cancelled = list(events), False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if not self.events:
+            raise StopAsyncIteration
+        event = self.events.pop(0)
+        if isinstance(event, BaseException):
+            raise event
+        return event
+
+    def cancel(self):
+        self.cancelled = True
+
+
+class _Backend:
+    """Answers from a script: one outcome per call, in order."""
+
+    def __init__(self, *outcomes, delay_s: float = 0.0, info: ModelInfo | None = None):
+        self.outcomes, self.delay_s, self.calls, self.pending = list(outcomes), delay_s, [], []
+        self.model_info = info
+
+    def infer(self, call):
+        self.calls.append(call)
+        self.pending.append(_Pending(self.outcomes.pop(0), self.delay_s))
+        return self.pending[-1]
+
+    def infer_stream(self, call):
+        self.calls.append(call)
+        return _Stream(self.outcomes.pop(0))
+
+    def info(self):
+        self.calls.append("info")
+        return _Pending(self.model_info)
+
+    def stats(self):
+        return _Pending({"rows": 0})
+
+
+_LOST = ActorUnavailableError("replica died", None)
+
+
+def _client(backend, **router) -> ModelClient:
+    return ModelClient({"m": backend}, RouterConfig.model_validate(router))
+
+
+def test_client_puts_the_deadline_on_the_call_and_returns_the_typed_result():
+    answer = EmbedResult(embeddings=[[1.0]], prompt_tokens=1)
+    backend = _Backend(answer)
+    before = time.time()
+    assert asyncio.run(_client(backend, request_timeout_s=30).infer(_model("embedding"), EmbedCall(("a",)))) == answer
+    (sent,) = backend.calls
+    assert before + 29 < sent.deadline < time.time() + 31
+
+
+def test_client_retries_a_lost_replica_then_gives_up():
+    answer = EmbedResult(embeddings=[[1.0]], prompt_tokens=1)
+    client = _client(_Backend(_LOST, answer), replica_retries=2)
+    assert asyncio.run(client.infer(_model("embedding"), EmbedCall(("a",)))) == answer
+    assert client.replica_retries["m"] == 1
+    with pytest.raises(ActorUnavailableError):
+        asyncio.run(_client(_Backend(_LOST, _LOST), replica_retries=1).infer(_model("embedding"), EmbedCall(("a",))))
+
+
+def test_client_maps_serve_failures_to_client_errors():
+    full = _client(_Backend(BackPressureError(num_queued_requests=9, max_queued_requests=8)), retry_after_s=3)
+    with pytest.raises(OverloadedError) as caught:
+        asyncio.run(full.infer(_model("embedding"), EmbedCall(("a",))))
+    assert caught.value.headers() == {"Retry-After": "3"}
+    broken = _client(_Backend(DeploymentUnavailableError(None)))
+    with pytest.raises(ModelUnavailableError):
+        asyncio.run(broken.infer(_model("embedding"), EmbedCall(("a",))))
+
+
+def test_client_cancels_a_call_past_the_deadline():
+    backend = _Backend(EmbedResult(embeddings=[], prompt_tokens=0), delay_s=5)
+    with pytest.raises(DeadlineExceededError):
+        asyncio.run(_client(backend, request_timeout_s=0.05).infer(_model("embedding"), EmbedCall(("a",))))
+    assert backend.pending[0].cancelled
+
+
+def test_stream_retries_only_before_the_first_event():
+    end = StreamEnd(index=0, finish_reason="stop", prompt_tokens=1, completion_tokens=1)
+    call = GenerateCall(max_tokens=4, prompts=("p",))
+
+    async def events(client):
+        return [event async for event in client.stream(_model(), call)]
+
+    client = _client(_Backend([_LOST], [StreamDelta(0, "a"), end]), replica_retries=1)
+    assert asyncio.run(events(client)) == [StreamDelta(0, "a"), end]
+    late = _client(_Backend([StreamDelta(0, "a"), _LOST], [end]), replica_retries=1)
+    with pytest.raises(ActorUnavailableError):
+        asyncio.run(events(late))
+
+
+# ---- the response cache ---------------------------------------------------------------
+
+
+class _Remote:
+    def __init__(self, fn):
+        self.fn = fn
+
+    def remote(self, *args):
+        return self.fn(*args)
+
+
+class _StoreHandle:
+    """A CacheServer handle stand-in over a dict; ``fail`` makes every call raise."""
+
+    def __init__(self):
+        self.entries: dict[str, bytes] = {}
+        self.fail = False
+        for name in ("get", "set", "semantic_get", "semantic_add", "drop_model", "stats"):
+            setattr(self, name, _Remote(getattr(self, f"_{name}")))
+
+    async def _check(self):
+        if self.fail:
+            raise ConnectionError("store down")
+
+    async def _get(self, key):
+        await self._check()
+        return self.entries.get(key)
+
+    async def _set(self, key, value, ttl_s):
+        await self._check()
+        self.entries[key] = value
+
+    async def _semantic_get(self, namespace, vector, threshold):
+        return None
+
+    async def _semantic_add(self, namespace, vector, key):
+        return None
+
+    async def _drop_model(self, model):
+        dropped = [k for k in self.entries if k.startswith(f"{model}:")]
+        for key in dropped:
+            del self.entries[key]
+        return {"model": model, "entries": len(dropped), "vectors": 0}
+
+    async def _stats(self):
+        return {"entries": len(self.entries)}
+
+
+_INFO = ModelInfo(name="m", task="text-generation", revision="rev1", max_input_tokens=64, device="cpu",
+                  dtype="float32", quantization="none")
+
+
+def _answer(text: str) -> GenerateResult:
+    return GenerateResult([Completion(text=text, finish_reason="stop", prompt_tokens=2, completion_tokens=1)])
+
+
+def _cache(backend, store, **cache) -> ResponseCache:
+    config = AppConfig.model_validate({"models": [{"name": "m", "source": "package:x", "task": "text-generation"}],
+                                       "cache": cache})
+    models = {m.name: m for m in config.models}
+    return ResponseCache(config.cache, store, models, ModelClient({"m": backend}, config.router))
+
+
+def test_cache_miss_then_hit_from_the_hot_tier_then_from_the_store():
+    async def scenario():
+        store = _StoreHandle()
+        backend = _Backend(_answer("first"), info=_INFO)
+        cache = _cache(backend, store)
+        model, call = cache.models["m"], GenerateCall(max_tokens=4, prompts=("p",), sampling=SamplingParams(0))
+        assert await cache.answer(model, call) == (_answer("first"), "miss")
+        await asyncio.sleep(0)  # the background write-back
+        assert await cache.answer(model, call) == (_answer("first"), "hit")
+        fresh = _cache(backend, store)  # another router replica: empty hot tier, same store
+        assert await fresh.answer(model, call) == (_answer("first"), "hit")
+        assert [c for c in backend.calls if c != "info"] == [
+            GenerateCall(max_tokens=4, prompts=("p",), sampling=SamplingParams(0), deadline=backend.calls[1].deadline)]
+        assert cache.outcomes[("m", "miss")] == 1 and cache.outcomes[("m", "hit")] == 1
+
+    asyncio.run(scenario())
+
+
+def test_sampled_generation_without_seed_bypasses_the_cache():
+    async def scenario():
+        backend = _Backend(_answer("a"), _answer("b"))
+        cache = _cache(backend, _StoreHandle())
+        call = GenerateCall(max_tokens=4, prompts=("p",), sampling=SamplingParams(temperature=1.0))
+        assert (await cache.answer(cache.models["m"], call))[1] == "miss"
+        assert (await cache.answer(cache.models["m"], call))[0] == _answer("b")
+        assert cache.outcomes[("m", "bypass")] == 2
+
+    asyncio.run(scenario())
+
+
+def test_identical_requests_in_flight_share_one_model_call():
+    async def scenario():
+        backend = _Backend(_answer("once"), delay_s=0.05, info=_INFO)
+        cache = _cache(backend, _StoreHandle())
+        call = GenerateCall(max_tokens=4, prompts=("p",), sampling=SamplingParams(0))
+        answers = await asyncio.gather(*(cache.answer(cache.models["m"], call) for _ in range(3)))
+        assert [header for _, header in answers] .count("miss") == 3  # coalesced reads as miss
+        assert len(backend.pending) == 1 and cache.flights.coalesced == 2
+
+    asyncio.run(scenario())
+
+
+def test_a_failing_store_or_a_foreign_entry_is_a_miss_never_an_error():
+    async def scenario():
+        store = _StoreHandle()
+        backend = _Backend(_answer("a"), _answer("b"), info=_INFO)
+        cache = _cache(backend, store)
+        call = GenerateCall(max_tokens=4, prompts=("p",), sampling=SamplingParams(0))
+        store.fail = True
+        assert await cache.answer(cache.models["m"], call) == (_answer("a"), "miss")
+        assert cache.errors >= 1
+        store.fail = False
+        other = _cache(backend, store)
+        key = next(iter(cache._hot))
+        store.entries[key] = encode_value([{"text": "an older shape"}])
+        assert await other.answer(other.models["m"], call) == (_answer("b"), "miss")
+
+    asyncio.run(scenario())
+
+
+def test_drop_clears_the_hot_tier_and_the_store():
+    async def scenario():
+        store = _StoreHandle()
+        backend = _Backend(_answer("a"), _answer("b"), info=_INFO)
+        cache = _cache(backend, store)
+        call = GenerateCall(max_tokens=4, prompts=("p",), sampling=SamplingParams(0))
+        await cache.answer(cache.models["m"], call)
+        await asyncio.sleep(0)
+        assert (await cache.drop("m"))["entries"] == 1
+        assert await cache.answer(cache.models["m"], call) == (_answer("b"), "miss")
+        assert (await cache.stats())["router_outcomes"] == {"m": {"miss": 2}}
+
+    asyncio.run(scenario())
