@@ -31,7 +31,7 @@ from typing import Any, Optional
 
 import aiohttp
 
-from benchmarks.scenarios import Context, ScenarioResult, scenario
+from benchmarks.registry import Context, ScenarioResult, scenario
 
 # Offered load in requests/s (real seconds) at each hour of the simulated day; linear
 # in between. The morning ramp (06:00 -> 09:00) goes from 1 to 14 requests/s.
@@ -52,16 +52,17 @@ def rate_at(hour: float) -> float:
     return TRAFFIC_CURVE[-1][1]
 
 
-def arrivals(day_length_s: float, seed: int = 11) -> list[float]:
-    """Non-homogeneous Poisson arrivals (thinning), in real seconds from the day's start."""
+def arrivals(day_length_s: float, seed: int = 11, rate_scale: float = 1.0) -> list[float]:
+    """Non-homogeneous Poisson arrivals (thinning), in real seconds from the day's start;
+    ``rate_scale`` scales the whole curve (tiny mode sends a fraction of it)."""
     rng = random.Random(seed)
-    peak = max(r for _, r in TRAFFIC_CURVE)
+    peak = max(r for _, r in TRAFFIC_CURVE) * rate_scale
     t, out = 0.0, []
     while True:
         t += rng.expovariate(peak)
         if t >= day_length_s:
             return out
-        if rng.random() < rate_at(24.0 * t / day_length_s) / peak:
+        if rng.random() < rate_at(24.0 * t / day_length_s) * rate_scale / peak:
             out.append(t)
 
 
@@ -110,6 +111,7 @@ class Sample:
     sent_s: float  # real seconds from the day's start
     latency_s: Optional[float]  # None: failed
     status: int
+    error: Optional[str] = None  # what a failed request got back (status and body, or the exception)
 
 
 async def _replay(urls: dict[str, str], offsets: list[float], started: float) -> dict[str, list[Sample]]:
@@ -120,14 +122,17 @@ async def _replay(urls: dict[str, str], offsets: list[float], started: float) ->
         async def one(name: str, url: str, at: float, i: int) -> None:
             body = {"model": "embed", "input": f"request {i} of the day"}
             t0 = time.time()
+            error = None
             try:
                 async with session.post(f"{url}/v1/embeddings", json=body) as response:
-                    await response.read()
+                    payload = await response.read()
                     status = response.status
-            except Exception:
-                status = 0
+                if status != 200:
+                    error = f"HTTP {status}: {payload[:200]!r}"
+            except Exception as exc:
+                status, error = 0, f"{type(exc).__name__}: {exc}"
             latency = time.time() - t0 if status == 200 else None
-            samples[name].append(Sample(at, latency, status))
+            samples[name].append(Sample(at, latency, status, error))
 
         async def fire(i: int, at: float) -> None:
             delay = started + at - time.time()
@@ -156,6 +161,10 @@ def _watch_replicas(apps: list[str], started: float, until: float, period_s: flo
         time.sleep(period_s)
 
 
+def _round3(value: Optional[float]) -> Optional[float]:
+    return None if value is None else round(value, 3)
+
+
 def _p95(values: list[float]) -> Optional[float]:
     if not values:
         return None
@@ -179,6 +188,7 @@ def _summarise(samples: list[Sample], replicas: list[tuple[float, int, int]], ho
     return {
         "requests": len(samples),
         "errors": sum(1 for s in samples if s.latency_s is None),
+        "error_samples": [s.error for s in samples if s.error is not None][:3],
         "replica_hours": round(replica_hours, 1),
         "peak_replicas": max((r for _, r, _ in replicas), default=0),
         "p50_ms": round(sorted(ok)[len(ok) // 2] * 1000, 1) if ok else None,
@@ -247,46 +257,54 @@ def day(ctx: Context) -> ScenarioResult:
     from benchmarks.stubs import EmulatedAccelerator
 
     result = ScenarioResult("day", day.__doc__)
-    day_length_s = 240.0 if ctx.quick else 480.0
+    # Tiny: a 12 s day at a fifth of the traffic (the peak within one replica), only to
+    # run every step (three policies deployed, replayed, watched, summarised, plotted).
+    day_length_s = ctx.pick(480.0, 240.0, tiny=12.0)
+    rate_scale = ctx.pick(1.0, 1.0, tiny=0.2)
     hours_per_s = 24.0 / day_length_s
     # Deploy first, start the day once every copy is up (or at the anchor, whichever is later).
-    anchor = time.time() + 75.0
+    lead_s = ctx.pick(75.0, 75.0, tiny=12.0)
+    anchor = time.time() + lead_s
     config = parse_app_config({"models": [{"name": "embed", "source": "emulated", "task": "embedding"}],
                                "router": {"num_cpus": 0.1, "max_ongoing_requests": 2048}, "cache": {"enabled": False}})
-    urls = {}
+    apps = {}
     for name, scaling in _policies(day_length_s, anchor).items():
         model = EmulatedAccelerator.options(
             name=model_deployment_name("embed"), max_ongoing_requests=64, ray_actor_options={"num_cpus": 0.05}, **scaling
-        ).bind(384, SLOTS, SERVICE_S)
-        urls[name] = ctx.cluster.deploy(router_app(config, {"embed": model}), name)
+        ).bind(384, SLOTS, SERVICE_S, name="embed")
+        apps[name] = router_app(config, {"embed": model})
+    urls = ctx.cluster.deploy_many(apps)
     wait = anchor - time.time()
     if wait < 0:
-        print(f"   deploys took {75 - wait:.0f}s, past the 75 s allowed; the day starts late", flush=True)
+        print(f"   deploys took {lead_s - wait:.0f}s, past the {lead_s:.0f} s allowed; the day starts late", flush=True)
         anchor = time.time()
     time.sleep(max(0.0, wait))
 
-    offsets = arrivals(day_length_s)
+    offsets = arrivals(day_length_s, rate_scale=rate_scale)
     timelines: dict[str, list] = {name: [] for name in urls}
-    watcher = threading.Thread(target=_watch_replicas, args=(list(urls), anchor, anchor + day_length_s, 1.0, timelines),
-                               daemon=True)
+    watcher = threading.Thread(target=_watch_replicas, args=(list(urls), anchor, anchor + day_length_s,
+                                                             ctx.pick(1.0, 1.0, tiny=0.5), timelines), daemon=True)
     watcher.start()
     samples = asyncio.run(_replay(urls, offsets, anchor))
     watcher.join()
-    for name in urls:
-        ctx.cluster.delete(name)
+    ctx.cluster.delete(*urls)
 
     rows = {name: _summarise(samples[name], timelines[name], hours_per_s) for name in urls}
     for name, row in rows.items():
-        result.runs.append({"variant": name, **{k: v for k, v in row.items() if k != "p95_by_bucket_ms"}})
+        result.add_row(name, **{k: v for k, v in row.items() if k != "p95_by_bucket_ms"})
     fleet = rows["fixed-peak"]["replica_hours"]
+
+    def vs_fleet(hours: float) -> Optional[float]:  # None (a check not met) if no fleet replica was seen running
+        return hours / fleet if fleet else None
+
     result.derived.update(
-        day_length_s=day_length_s, slo_p95_ms=SLO_MS, replica_capacity_rps=SLOTS / SERVICE_S,
+        day_length_s=day_length_s, rate_scale=rate_scale, slo_p95_ms=SLO_MS, replica_capacity_rps=SLOTS / SERVICE_S,
         profile_windows=" ".join(
             f"{w['name']} {w['start']}-{w['end']} [{w['min_replicas']},{w['max_replicas']}]"
             for w in profile_config(day_length_s, anchor)["windows"]
         ),
-        replica_hours_ratio_profile_vs_fixed=round(rows["daily-profile"]["replica_hours"] / fleet, 3),
-        replica_hours_ratio_reactive_vs_fixed=round(rows["reactive"]["replica_hours"] / fleet, 3),
+        replica_hours_ratio_profile_vs_fixed=_round3(vs_fleet(rows["daily-profile"]["replica_hours"])),
+        replica_hours_ratio_reactive_vs_fixed=_round3(vs_fleet(rows["reactive"]["replica_hours"])),
     )
     out_dir = Path(ctx.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -300,7 +318,7 @@ def day(ctx: Context) -> ScenarioResult:
     result.derived["series"] = "day.json"
     plot = _plot(rows, timelines, hours_per_s, day_length_s, anchor, out_dir / "day.png")
     result.derived["plot"] = plot.name
-    result.check("daily-profile replica-hours / fixed-peak fleet", rows["daily-profile"]["replica_hours"] / fleet, 0.6,
+    result.check("daily-profile replica-hours / fixed-peak fleet", vs_fleet(rows["daily-profile"]["replica_hours"]), 0.6,
                  higher_is_better=False)
     result.check("morning-ramp SLO misses: daily-profile minus reactive (30-min buckets)",
                  rows["daily-profile"]["slo_missed_buckets_ramp"] - rows["reactive"]["slo_missed_buckets_ramp"], -1,

@@ -21,11 +21,14 @@ import asyncio
 import math
 import random
 from pathlib import Path
+from typing import Optional
 
 from benchmarks.loadgen import RunResult, open_loop
-from benchmarks.scenarios import Context, ScenarioResult, scenario
+from benchmarks.registry import Context, ScenarioResult, run_open, scenario
 from benchmarks.service import pick_model, variant
+
 MIN_TOKENS, MAX_TOKENS = 8, 256
+TINY_TOKENS = (2, 8)  # tiny mode: the same log-uniform mix, over 2..8 tokens
 OPENINGS = [
     "Once upon a time, in a small village by the sea,",
     "The history of the railway begins in",
@@ -43,10 +46,10 @@ OPENINGS = [
 ENGINES = ("continuous", "static", "unbatched")
 
 
-def max_tokens_mix(count: int, seed: int = 5) -> list[int]:
-    """Log-uniform max_tokens in [MIN_TOKENS, MAX_TOKENS]."""
+def max_tokens_mix(count: int, seed: int = 5, bounds: tuple[int, int] = (MIN_TOKENS, MAX_TOKENS)) -> list[int]:
+    """Log-uniform max_tokens in [MIN_TOKENS, MAX_TOKENS] (or ``bounds``)."""
     rng = random.Random(seed)
-    low, high = math.log(MIN_TOKENS), math.log(MAX_TOKENS)
+    low, high = math.log(bounds[0]), math.log(bounds[1])
     return [int(round(math.exp(rng.uniform(low, high)))) for _ in range(count)]
 
 
@@ -61,12 +64,13 @@ def generation_mixed(ctx: Context) -> ScenarioResult:
     static vs unbatched, on the same arrivals."""
     result = ScenarioResult("generation-mixed", generation_mixed.__doc__)
     base = pick_model(ctx.models, "text-generation")
-    count = 60 if ctx.quick else 180
+    count = ctx.pick(180, 60, tiny=4)
     # Requests/s: with ~70 tokens each on average, about 5x what one row at a time decodes
     # here (~18 tokens/s), so the engines are compared at saturation, not at idle.
-    rate = 1.2
-    budgets = max_tokens_mix(count)
-    common = dict(precision=ctx.precision, torch_threads=ctx.gen_torch_threads, num_cpus=1)
+    rate = ctx.pick(1.2, 1.2, tiny=4.0)
+    bounds = ctx.pick((MIN_TOKENS, MAX_TOKENS), (MIN_TOKENS, MAX_TOKENS), tiny=TINY_TOKENS)
+    budgets = max_tokens_mix(count, bounds=bounds)
+    common = dict(precision=ctx.precision, torch_threads=ctx.gen_torch_threads, num_cpus=ctx.model_cpus)
     configs = {
         "continuous": variant(base, name="gen", max_batch_size=16, max_batch_tokens=16384, **common),
         "static": variant(base, name="gen", max_batch_size=16, max_batch_tokens=16384, batch_wait_timeout_s=0.2,
@@ -76,7 +80,8 @@ def generation_mixed(ctx: Context) -> ScenarioResult:
     for name, config in configs.items():
         config.setdefault("generation", {}).update(
             engine="continuous" if name == "continuous" else "static", max_tokens_limit=MAX_TOKENS)
-    urls = {name: ctx.cluster.deploy_models(f"mixed-{name}", [config]) for name, config in configs.items()}
+    deployed = ctx.cluster.deploy_many({f"mixed-{name}": ctx.cluster.models_app([config]) for name, config in configs.items()})
+    urls = {name: deployed[f"mixed-{name}"] for name in configs}
 
     def make(i: int):
         return "/v1/completions", {
@@ -87,28 +92,32 @@ def generation_mixed(ctx: Context) -> ScenarioResult:
     runs: dict[str, RunResult] = {}
     for name in ENGINES:
         # Warm up: the first generate() call of a replica is slow.
-        asyncio.run(open_loop(urls[name], make, rate_per_s=10.0, requests=2, label=f"{name} warm-up",
-                              progress=False))
-        run = asyncio.run(open_loop(urls[name], make, rate_per_s=rate, requests=count, label=name,
-                                    extract=_completion_tokens, seed=17, progress=ctx.progress))
+        asyncio.run(open_loop(urls[name], make, rate_per_s=10.0, requests=ctx.pick(2, 2, tiny=1),
+                              label=f"{name} warm-up", progress=False))
+        run = run_open(urls[name], make, rate_per_s=rate, requests=count, label=name, ctx=ctx,
+                       extract=_completion_tokens, seed=17)
         runs[name] = run
         result.add(run, name, tokens_per_s=round(run.units_per_s, 1))
-    for name in ENGINES:
-        ctx.cluster.delete(f"mixed-{name}")
+    ctx.cluster.delete(*deployed)
 
     tps = {name: run.units_per_s for name, run in runs.items()}
     p95_ttft = {name: run.percentile_ms(95, run.ttfts_s) for name, run in runs.items()}
     result.derived.update(
-        requests=count, rate_per_s=rate, max_tokens=f"{MIN_TOKENS}..{MAX_TOKENS} log-uniform",
+        requests=count, rate_per_s=rate, max_tokens=f"{bounds[0]}..{bounds[1]} log-uniform",
         continuous_vs_static_tokens_per_s=round(tps["continuous"] / tps["static"], 2),
-        continuous_vs_static_p95_ttft=round(p95_ttft["continuous"] / p95_ttft["static"], 3),
+        continuous_vs_static_p95_ttft=_ratio(p95_ttft["continuous"], p95_ttft["static"]),
         static_vs_unbatched_tokens_per_s=round(tps["static"] / tps["unbatched"], 2),
     )
-    result.check("continuous / static p95 time to first token", p95_ttft["continuous"] / p95_ttft["static"], 1.0,
+    result.check("continuous / static p95 time to first token", _ratio(p95_ttft["continuous"], p95_ttft["static"]), 1.0,
                  higher_is_better=False)
     result.check("continuous / unbatched generated tokens/s", tps["continuous"] / tps["unbatched"], 1.0)
     _plot(runs, Path(ctx.out_dir))
     return result
+
+
+def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    """a / b, None when either is missing (no streamed request produced text)."""
+    return round(a / b, 3) if a is not None and b else None
 
 
 def _plot(runs: dict[str, RunResult], out_dir: Path) -> Path:

@@ -18,6 +18,23 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+# The CPU features that decide which precisions are fast here (bf16 needs AVX512-bf16 or
+# AMX to beat fp32 on a CPU), in the order the machine line names them.
+CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_int8", "amx_tile")
+
+
+def cpu_flags() -> list[str]:
+    """Which of CPU_FLAGS /proc/cpuinfo lists (empty where it cannot be read)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                present = set(line.split(":", 1)[1].split())
+                return [flag for flag in CPU_FLAGS if flag in present]
+    except OSError:
+        pass
+    return []
+
+
 def _git_revision() -> str:
     try:
         root = Path(__file__).resolve().parents[1]
@@ -38,6 +55,7 @@ def machine_info(torch_threads: int | None = None) -> dict:
         gpu = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
     return {
         "cpu": _cpu_model(),
+        "cpu_flags": cpu_flags(),
         "cores": os.cpu_count(),
         "torch_threads_per_replica": torch_threads,
         "gpu": gpu,
@@ -51,7 +69,11 @@ def machine_info(torch_threads: int | None = None) -> dict:
 
 def machine_line(info: dict) -> str:
     gpu = info["gpu"] or "no GPU"
+    cpu = info["cpu"]
+    flags = info.get("cpu_flags")  # absent in results written before it was recorded
+    if flags is not None:
+        cpu += f" ({', '.join(flags)})" if flags else f" (none of {', '.join(CPU_FLAGS)})"
     return (
-        f"{info['cpu']}, {info['cores']} cores, {gpu}; torch {info['torch']}, transformers "
+        f"{cpu}, {info['cores']} cores, {gpu}; torch {info['torch']}, transformers "
         f"{info['transformers']}, ray {info['ray']}; git {info['git_revision']}"
     )

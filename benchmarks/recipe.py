@@ -22,12 +22,13 @@ class RecipeEmbedder:
     def __init__(self, source: str, precision: str, torch_threads: int):
         from transformers import AutoModel, AutoTokenizer
 
-        from serve_app.core.runtime import PRECISIONS, resolve_source
+        from serve_app.core.models import resolve_source
+        from serve_app.core.models.devices import DTYPES
 
         torch.set_num_threads(torch_threads)
         path = resolve_source(source)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.model = AutoModel.from_pretrained(path, dtype=PRECISIONS[precision]).eval()
+        self.model = AutoModel.from_pretrained(path, dtype=DTYPES[precision]).eval()
 
     @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.01)
     async def embed_batch(self, texts: List[str]) -> List[List[float]]:

@@ -7,6 +7,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from benchmarks.machine import machine_line
+from benchmarks.registry import ERROR_RATE_LIMIT
 
 _COLUMNS = ["variant", "concurrency", "requests", "errors", "throughput_rps", "p50_ms", "p95_ms", "p99_ms"]
 _EXTRA = ["padding_efficiency", "model_calls_per_batch", "tokens_per_s", "mean_batch_rows", "p50_ttft_ms", "p95_ttft_ms",
@@ -21,22 +22,65 @@ def _cell(value) -> str:
     return str(value)
 
 
+def failed(res: dict) -> bool:
+    """The scenario raised, or one of its runs failed more than ERROR_RATE_LIMIT of its requests."""
+    return res.get("error") is not None or any(row.get("failed") for row in res["runs"])
+
+
+def failure_lines(res: dict) -> list[str]:
+    """Why a scenario failed, one line each (empty if it did not)."""
+    lines = []
+    if res.get("error"):
+        lines.append(f"raised {res['error']}")
+    for row in res["runs"]:
+        if row.get("failed"):
+            samples = "; ".join(str(s) for s in row.get("error_samples") or [])[:300]
+            lines.append(f"run {row['variant']!r}: {row['errors']} of {row['requests']} requests failed "
+                         f"({row.get('error_rate', 1.0):.1%}, limit {ERROR_RATE_LIMIT:.0%})"
+                         + (f", e.g. {samples}" if samples else ""))
+    return lines
+
+
 def markdown(results: list[dict], machine: dict, command: str) -> str:
     lines = [f"Measured on {machine_line(machine)}.", "", f"Command: `{command}`", ""]
+    bad = [res["name"] for res in results if failed(res)]
+    if bad:
+        lines += [f"**FAILED: {len(bad)} of {len(results)} scenarios ({', '.join(bad)})**: a run with more than "
+                  f"{ERROR_RATE_LIMIT:.0%} of its requests failed, or the scenario raised. Their figures are not "
+                  "measurements and none of their checks is met.", ""]
+    if any(res.get("tiny") for res in results):
+        lines += ["Tiny mode (`--tiny`): a smoke run with a handful of requests; the figures mean nothing.", ""]
     for res in results:
         lines += [f"### {res['name']}", "", res["description"].strip(), ""]
+        if res.get("skip_reason"):
+            lines += [f"Skipped: {res['skip_reason']}.", ""]
+            continue
+        if failed(res):
+            lines += ["**FAILED**: " + line for line in failure_lines(res)] + [""]
         extra = [c for c in _EXTRA if any(c in row for row in res["runs"])]
         columns = _COLUMNS + extra
         lines.append("| " + " | ".join(columns) + " |")
         lines.append("|" + "---|" * len(columns))
         for row in res["runs"]:
-            lines.append("| " + " | ".join(_cell(row.get(c)) for c in columns) + " |")
+            cells = [_cell(row.get(c)) for c in columns]
+            if row.get("failed"):
+                cells[0] += " **(failed run)**"
+            lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
+        for skipped in res.get("skipped") or ():
+            lines.append(f"- {skipped['variant']}: skipped, {skipped['reason']}")
+        if res.get("skipped"):
+            lines.append("")
         if res["derived"]:
             lines.append("Derived: " + ", ".join(f"{k} = {_cell(v)}" for k, v in res["derived"].items()))
             lines.append("")
         for check in res["checks"]:
-            mark = "met" if check["met"] else "**missed**"
+            if check["met"]:
+                mark = "met"
+            elif check.get("target_met", False):
+                mark = "**not met: the scenario failed**"
+            else:
+                mark = "**missed**"
             lines.append(f"- {check['claim']}: {_cell(check['value'])} (target {check['target']}): {mark}")
         lines.append("")
     return "\n".join(lines)
@@ -53,7 +97,7 @@ def plots(results: list[dict], out_dir: Path) -> list[Path]:
     for res in results:
         series: dict[str, list[dict]] = defaultdict(list)
         for row in res["runs"]:
-            if row.get("concurrency") is not None:
+            if row.get("concurrency") is not None and row.get("p50_ms") is not None:
                 series[row["variant"]].append(row)
         if not any(len(rows) > 1 for rows in series.values()):
             continue

@@ -7,6 +7,7 @@ import os
 import socket
 from pathlib import Path
 from typing import Any, Optional
+from urllib.parse import urlsplit
 
 import yaml
 
@@ -54,7 +55,8 @@ def variant(model: dict, *, name: Optional[str] = None, precision: Optional[str]
 
 
 class BenchCluster:
-    """A Ray instance with Serve's proxy on a free local port."""
+    """A Ray instance with Serve's proxy on a free local port, or (``attach``) the Ray
+    instance and proxy a caller already started, e.g. the test session's."""
 
     def __init__(self, address: Optional[str] = None):
         import ray
@@ -68,21 +70,44 @@ class BenchCluster:
         self.port = _free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": self.port})
         self.deployed: list[str] = []
+        self.owns_ray = True
+
+    @classmethod
+    def attach(cls, base_url: str) -> "BenchCluster":
+        """Use the Ray instance this process already joined and its running Serve proxy
+        at ``base_url`` (e.g. ``http://127.0.0.1:PORT``). close() then deletes only the
+        applications deployed through this object and leaves Ray and Serve running."""
+        import ray
+
+        if not ray.is_initialized():
+            raise RuntimeError("BenchCluster.attach needs ray.init() and serve.start() done first")
+        self = cls.__new__(cls)
+        self.port = urlsplit(base_url).port
+        self.deployed = []
+        self.owns_ray = False
+        return self
 
     def url(self, route_prefix: str) -> str:
         return f"http://127.0.0.1:{self.port}{route_prefix.rstrip('/')}"
 
     def deploy(self, app, name: str) -> str:
+        return self.deploy_many({name: app})[name]
+
+    def deploy_many(self, apps: dict[str, Any]) -> dict[str, str]:
+        """Deploy several applications at once (their replicas start in parallel), each
+        at ``/<name>``; returns their URLs, in the given order, once all are running."""
         from ray import serve
+        from ray.serve.api import RunTarget
 
-        route_prefix = f"/{name}"
-        serve.run(app, name=name, route_prefix=route_prefix)
-        self.deployed.append(name)
-        return self.url(route_prefix)
+        for name in apps:  # recorded first, so a failed deploy is still deleted afterwards
+            if name not in self.deployed:
+                self.deployed.append(name)
+        serve.run_many([RunTarget(target=app, name=name, route_prefix=f"/{name}") for name, app in apps.items()])
+        return {name: self.url(f"/{name}") for name in apps}
 
-    def deploy_models(self, name: str, models: list[dict], router: Optional[dict] = None, *, cache: bool = False) -> str:
-        """Deploy our app with these models. The cache is off unless asked for: the
-        throughput scenarios repeat inputs, and hits would measure the cache instead."""
+    def models_app(self, models: list[dict], router: Optional[dict] = None, *, cache: bool = False):
+        """Our app with these models, built, not deployed. The cache is off unless asked
+        for: the throughput scenarios repeat inputs, and hits would measure the cache instead."""
         from serve_app.app import build_app
 
         args = {
@@ -90,17 +115,41 @@ class BenchCluster:
             "router": router or {"num_cpus": 0.1, "request_timeout_s": 600},
             "cache": {"enabled": cache},
         }
-        return self.deploy(build_app(args), name)
+        return build_app(args)
 
-    def delete(self, name: str) -> None:
+    def deploy_models(self, name: str, models: list[dict], router: Optional[dict] = None, *, cache: bool = False) -> str:
+        """Deploy our app with these models (see models_app)."""
+        return self.deploy(self.models_app(models, router, cache=cache), name)
+
+    def delete(self, *names: str, timeout_s: float = 120.0) -> None:
+        """Delete these applications, all at once, and wait until they are gone."""
+        import time
+
         from ray import serve
 
-        serve.delete(name)
-        self.deployed.remove(name)
+        for name in names:
+            serve.delete(name, _blocking=False)
+        deadline = time.monotonic() + timeout_s
+        while set(names) & set(serve.status().applications):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"applications {sorted(set(names) & set(serve.status().applications))} "
+                                   f"still there {timeout_s:.0f}s after their deletion")
+            time.sleep(0.2)
+        for name in names:
+            if name in self.deployed:
+                self.deployed.remove(name)
+
+    def delete_all(self) -> None:
+        """Delete every application still deployed through this object."""
+        if self.deployed:
+            self.delete(*self.deployed)
 
     def close(self) -> None:
         import ray
         from ray import serve
 
+        if not self.owns_ray:
+            self.delete_all()
+            return
         serve.shutdown()
         ray.shutdown()
