@@ -46,8 +46,10 @@ class ResponseCache:
         # The hot tier: encoded answers this replica just computed or fetched, for
         # router_hot_ttl_s. Repeats skip the CacheServer round trip, and a request whose
         # lookup raced a write-back is served here instead of calling the model again.
+        # Entries are (encoded, result): the encoded size counts against router_hot_bytes,
+        # and a hit returns the result without decoding it again.
         self._hot = cachetools.TTLCache(
-            maxsize=max(1, config.router_hot_bytes), ttl=config.router_hot_ttl_s, getsizeof=len
+            maxsize=max(1, config.router_hot_bytes), ttl=config.router_hot_ttl_s, getsizeof=lambda e: len(e[0])
         )
         self._background: set[asyncio.Task] = set()
         self._revisions: dict[str, tuple[str, float]] = {}
@@ -89,15 +91,15 @@ class ResponseCache:
         revision = await self._revision(model)
         key = cache_key(model=model.name, revision=revision, task=model.task, payload=call.cache_input(),
                         params=params)
-        hot = self._hot_get(key, call)
+        hot = self._hot_get(key)
         if hot is not None:
             return "hit", hot
         raw = await self._store_call("get", lambda store: store.get.remote(key))
         stored = self._decode(raw, call)
         if stored is not None:
-            self._remember(key, raw)
+            self._remember(key, raw, stored)
             return "hit", stored
-        hot = self._hot_get(key, call)  # answered while our lookup was on its way
+        hot = self._hot_get(key)  # answered while our lookup was on its way
         if hot is not None:
             return "hit", hot
         namespace = vector = None
@@ -162,20 +164,21 @@ class ResponseCache:
             logger.warning("cache: ignoring an entry that is not a %s: %r", call.result_type.__name__, exc)
             return None
 
-    def _remember(self, key: str, encoded: bytes) -> None:
+    def _remember(self, key: str, encoded: bytes, result: ModelResult) -> None:
         try:
-            self._hot[key] = encoded
+            self._hot[key] = (encoded, result)
         except ValueError:  # larger than the whole hot tier: the store still has it
             pass
 
-    def _hot_get(self, key: str, call: ModelCall) -> Optional[ModelResult]:
-        return self._decode(self._hot.get(key), call)
+    def _hot_get(self, key: str) -> Optional[ModelResult]:
+        entry = self._hot.get(key)
+        return None if entry is None else entry[1]
 
     def _write_back(self, key: str, result: ModelResult, ttl_s: Optional[float], namespace: Optional[str],
                     vector) -> None:
         """Store a fresh answer without making the client wait for the write."""
         encoded = encode_value(result.to_wire())
-        self._remember(key, encoded)
+        self._remember(key, encoded, result)
 
         async def write() -> None:
             await self._store_call("set", lambda store: store.set.remote(key, encoded, ttl_s))
