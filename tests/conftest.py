@@ -53,6 +53,12 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_vllm_dir(tmp_path_factory) -> Path:
+    """The tiny llama with heads wide enough for vLLM's CPU attention kernels (head_dim 64)."""
+    return tiny_models.build_tiny_llama(tmp_path_factory.mktemp("tiny_llama_vllm"), head_dim=64)
+
+
+@pytest.fixture(scope="session")
 def tiny_llama_no_chat_dir(tmp_path_factory) -> Path:
     """The tiny Llama without a chat template."""
     return tiny_models.build_tiny_llama(tmp_path_factory.mktemp("tiny_llama_no_chat"), chat_template=False)

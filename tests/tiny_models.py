@@ -129,8 +129,9 @@ def _tiny_llama_tokenizer():
     )
 
 
-def build_tiny_llama(path, seed: int = 0, chat_template: bool = True) -> Path:
-    """A 2-layer Llama (hidden 32, max_position_embeddings 128) with a BPE tokenizer trained here.
+def build_tiny_llama(path, seed: int = 0, chat_template: bool = True, head_dim: int = 8) -> Path:
+    """A 2-layer Llama (4 heads of ``head_dim``, max_position_embeddings 128) with a BPE
+    tokenizer trained here. vLLM's CPU attention needs head_dim 32 or more (64 is safe).
 
     Special tokens follow SmolLM2: <|im_start|> (bos), <|im_end|> (eos), and
     <|endoftext|> as padding; the tokenizer carries a ChatML chat template unless
@@ -146,7 +147,7 @@ def build_tiny_llama(path, seed: int = 0, chat_template: bool = True) -> Path:
     if not chat_template:
         tokenizer.chat_template = None
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        vocab_size=len(tokenizer), hidden_size=4 * head_dim, intermediate_size=8 * head_dim, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.2,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=False,

@@ -5,7 +5,7 @@ typo fails at build time with the field path, the value given and what would wor
 instead of at the first request.
 
 Sections: ``model`` (a served model with its batching, resources and generation
-limits), ``cache`` (the response cache), ``scaling`` (load profiles), ``ingress``
+limits), ``vllm`` (vLLM engine options), ``cache`` (the response cache), ``scaling`` (load profiles), ``ingress``
 (router and API keys), ``app`` (the whole ``args:`` and its parser), ``reference``
 (README's config reference).
 """
@@ -16,6 +16,7 @@ from serve_app.config.ingress import AuthConfig, RouterConfig
 from serve_app.config.model import BatchingConfig, GenerationConfig, ModelConfig, Precision, ResourcesConfig, Task
 from serve_app.config.reference import reference_markdown, write_readme_reference
 from serve_app.config.scaling import LoadProfileConfig, SimulatedClockConfig, WindowConfig
+from serve_app.config.vllm import VLLMConfig
 
 __all__ = [
     "AppConfig",
@@ -33,6 +34,7 @@ __all__ = [
     "SemanticCacheConfig",
     "SimulatedClockConfig",
     "Task",
+    "VLLMConfig",
     "WindowConfig",
     "model_deployment_name",
     "parse_app_config",

@@ -10,10 +10,13 @@ from pydantic import Field, field_validator, model_validator
 
 from serve_app.config.base import _Section
 from serve_app.config.cache import ModelCacheConfig
+from serve_app.config.vllm import VLLMConfig
 from serve_app.core.quantization import Quantization, check_quantization
 from serve_app.core.tasks import PRECISIONS, TASKS
 
 Task = Literal[TASKS]
+# The tasks vLLM runs for us: generation, and embeddings through its pooling runner.
+VLLM_TASKS = ("text-generation", "embedding")
 Precision = Literal[PRECISIONS]
 
 _MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -76,14 +79,18 @@ class GenerationConfig(_Section):
     default_max_tokens: int = Field(64, ge=1, description="max_tokens when a request gives none.")
     max_tokens_limit: int = Field(512, ge=1, description="Largest max_tokens a request may ask for.")
     max_stop_sequences: int = Field(4, ge=0, description="Most stop strings per request (OpenAI allows 4).")
-    engine: Literal["auto", "static", "continuous"] = Field(
+    max_choices: int = Field(8, ge=1, le=128, description="Largest n (choices per prompt) a request may ask for (vLLM engine).")
+    max_top_logprobs: int = Field(
+        20, ge=0, le=20, description="Most alternatives per token a request may ask for (top_logprobs; vLLM engine).")
+    engine: Literal["auto", "vllm", "static", "continuous"] = Field(
         "auto",
-        description="static: rows admitted together run as one padded generate() until the last one ends. "
+        description="vllm: vLLM's engine (the same as the model's engine: vllm). On the transformers "
+        "runtime: static: rows admitted together run as one padded generate() until the last one ends. "
         "continuous: iteration-level batching; requests join the running batch between decode steps and "
         "leave as soon as they end (batching.max_batch_size caps its rows, max_batch_tokens its KV cache, "
-        "counted as prompt + max_tokens per row). auto: continuous where the model supports it (a plain "
-        "KV cache and position_ids; not sliding-window models), else static; the generation-mixed "
-        "benchmark measured continuous ahead at every load.",
+        "counted as prompt + max_tokens per row). auto: vLLM where the model's engine resolves to it, else "
+        "continuous where the model supports it (a plain KV cache and position_ids; not sliding-window "
+        "models), else static; the generation-mixed benchmark measured continuous ahead at every load.",
     )
 
     @model_validator(mode="after")
@@ -148,6 +155,15 @@ class ModelConfig(_Section):
         default_factory=GenerationConfig, description="Generation limits (text-generation only)."
     )
     cache: ModelCacheConfig = Field(default_factory=ModelCacheConfig, description="How this model's answers are cached.")
+    engine: Literal["auto", "vllm", "transformers"] = Field(
+        "auto",
+        description="What runs the model. vllm: vLLM's engine inside each replica (text-generation and "
+        "embedding; continuous batching, paged KV cache, prefix caching; n, logprobs, response_format). "
+        "transformers: our runtime, batched with @serve.batch (generation.engine picks static or "
+        "continuous). auto: vllm where vLLM is installed on the replica's node and supports the model "
+        "(task, architecture, quantization: none), else transformers; the replica logs which and why.",
+    )
+    vllm: VLLMConfig = Field(default_factory=VLLMConfig, description="vLLM engine options (models that run on vLLM).")
 
     @field_validator("name")
     @classmethod
@@ -201,6 +217,40 @@ class ModelConfig(_Section):
         except ValueError as exc:
             where = "a GPU" if on_gpu else f"CPU (device {self.device}, resources.num_gpus {self.resources.num_gpus})"
             raise ValueError(f"model {self.name!r} on {where}: {exc}") from None
+        return self
+
+    @model_validator(mode="after")
+    def _one_engine(self) -> "ModelConfig":
+        generation_engine = self.generation.engine
+        if generation_engine == "vllm":  # the shorthand for the model's engine: vllm
+            if self.engine == "transformers":
+                raise ValueError(
+                    f"model {self.name!r}: engine is 'transformers' but generation.engine is 'vllm'; pick one"
+                )
+            self.engine = "vllm"
+        elif self.engine == "vllm" and generation_engine in ("static", "continuous"):
+            raise ValueError(
+                f"model {self.name!r}: engine is 'vllm' but generation.engine is {generation_engine!r}, a "
+                "transformers engine; drop generation.engine or set engine: transformers"
+            )
+        if self.engine != "vllm":
+            return self
+        if self.task not in VLLM_TASKS:
+            raise ValueError(
+                f"model {self.name!r}: engine vllm serves {' and '.join(VLLM_TASKS)} models, not {self.task}; "
+                "use engine: transformers (or auto)"
+            )
+        if self.quantization != "none":
+            raise ValueError(
+                f"model {self.name!r}: quantization {self.quantization!r} is applied by the transformers runtime; "
+                "with engine vllm use vLLM's own (vllm.engine_args.quantization, e.g. fp8) or engine: transformers"
+            )
+        tp, gpus = self.vllm.tensor_parallel_size, self.resources.num_gpus
+        if tp > 1 and gpus != tp:
+            raise ValueError(
+                f"model {self.name!r}: vllm.tensor_parallel_size is {tp} but resources.num_gpus is {gpus}; "
+                f"one replica shards over {tp} GPUs, so set resources.num_gpus: {tp}"
+            )
         return self
 
     def effective_torch_threads(self) -> int:

@@ -7,6 +7,7 @@ from serve_app.config.cache import CacheConfig, ModelCacheConfig, SemanticCacheC
 from serve_app.config.ingress import AuthConfig, RouterConfig
 from serve_app.config.model import BatchingConfig, GenerationConfig, ModelConfig, ResourcesConfig
 from serve_app.config.scaling import LoadProfileConfig, SimulatedClockConfig, WindowConfig
+from serve_app.config.vllm import VLLMConfig
 
 
 def reference_markdown() -> str:
@@ -18,6 +19,7 @@ def reference_markdown() -> str:
         ("args.models[].batching", BatchingConfig),
         ("args.models[].resources", ResourcesConfig),
         ("args.models[].generation", GenerationConfig),
+        ("args.models[].vllm", VLLMConfig),
         ("args.models[].cache", ModelCacheConfig),
         ("args.models[].cache.semantic", SemanticCacheConfig),
         ("args.cache", CacheConfig),

@@ -78,23 +78,44 @@ class ClassifyResult(_Wire):
 
 
 @dataclass(frozen=True)
+class TokenLogprob(_Wire):
+    """One generated token's log-probability and, when asked for, the most likely
+    alternatives at its position (best first)."""
+
+    token: str
+    logprob: float
+    top: tuple[tuple[str, float], ...] = ()
+
+    @classmethod
+    def from_wire(cls, data: Any) -> "TokenLogprob":
+        return cls(token=str(data["token"]), logprob=float(data["logprob"]),
+                   top=tuple((str(t), float(lp)) for t, lp in data["top"]))
+
+
+@dataclass(frozen=True)
 class Completion(_Wire):
-    """One generated row."""
+    """One generated row (one choice)."""
 
     text: str
     finish_reason: str  # "stop" | "length" | "cancelled"
+    # A prompt's tokens are counted once: on its first choice, 0 on the others (n > 1).
     prompt_tokens: int
     completion_tokens: int
+    logprobs: Optional[tuple[TokenLogprob, ...]] = None  # only when the call asked for them
 
     @classmethod
     def from_wire(cls, data: dict) -> "Completion":
+        logprobs = data.get("logprobs")
         return cls(text=str(data["text"]), finish_reason=str(data["finish_reason"]),
-                   prompt_tokens=int(data["prompt_tokens"]), completion_tokens=int(data["completion_tokens"]))
+                   prompt_tokens=int(data["prompt_tokens"]), completion_tokens=int(data["completion_tokens"]),
+                   logprobs=None if logprobs is None else tuple(TokenLogprob.from_wire(t) for t in logprobs))
 
 
 @dataclass(frozen=True)
 class GenerateResult(_Wire):
-    completions: list[Completion]  # one per prompt (completions) or one (chat), in order
+    # One per choice, prompt-major: prompt 0's n choices, then prompt 1's (completions),
+    # or the chat's n choices; OpenAI's choice index is the position here.
+    completions: list[Completion]
 
     @property
     def prompt_tokens(self) -> int:
@@ -111,10 +132,11 @@ class GenerateResult(_Wire):
 
 @dataclass(frozen=True)
 class StreamDelta:
-    """New text of one row of a streamed generation."""
+    """New text of one row (choice) of a streamed generation."""
 
     index: int
     text: str
+    logprobs: Optional[tuple[TokenLogprob, ...]] = None  # the new tokens', when the call asked
 
 
 @dataclass(frozen=True)
@@ -172,8 +194,21 @@ class ClassifyCall:
 
 
 @dataclass(frozen=True)
+class ResponseFormat:
+    """Constrained output (OpenAI's ``response_format``): any JSON object, or JSON that
+    matches ``schema`` (a JSON Schema, as canonical JSON text so the call stays hashable)."""
+
+    type: str  # "json_object" | "json_schema"
+    schema: Optional[str] = None
+
+
+@dataclass(frozen=True)
 class GenerateCall:
-    """Completions (``prompts``: one row each) or a chat (``messages``: one row)."""
+    """Completions (``prompts``: one row each) or a chat (``messages``: one row).
+
+    ``n``, ``logprobs``, ``response_format`` and ``tools`` are what only some engines
+    do (vLLM's); an engine that cannot refuses the call with a 400 naming the field.
+    """
 
     max_tokens: int
     sampling: SamplingParams = SamplingParams()
@@ -181,6 +216,11 @@ class GenerateCall:
     messages: Optional[tuple[ChatTurn, ...]] = None
     stop: tuple[str, ...] = ()
     deadline: Optional[float] = None
+    n: int = 1  # choices per prompt
+    # None: no logprobs; k >= 0: each generated token's, with the k most likely alternatives.
+    logprobs: Optional[int] = None
+    response_format: Optional[ResponseFormat] = None
+    tools: Optional[str] = None  # OpenAI's tools list as canonical JSON text (chat only)
 
     result_type: ClassVar[type] = GenerateResult
 
@@ -190,6 +230,7 @@ class GenerateCall:
 
     @property
     def rows(self) -> int:
+        """Prompts the call runs (each gives ``n`` choices)."""
         return len(self.prompts) if self.prompts is not None else 1
 
     def chat(self) -> Optional[list[dict]]:
@@ -208,6 +249,11 @@ class GenerateCall:
             "top_p": self.sampling.top_p,
             "stop": list(self.stop),
             "seed": self.sampling.seed,
+            # Each of these changes the answer, so each is part of the key.
+            "n": self.n,
+            "logprobs": self.logprobs,
+            "response_format": None if self.response_format is None else dataclasses.asdict(self.response_format),
+            "tools": self.tools,
         }
 
     def semantic_text(self) -> Optional[str]:
@@ -233,4 +279,4 @@ class ModelInfo:
     dtype: str
     quantization: str
     labels: tuple[str, ...] = ()
-    engine: Optional[str] = None  # generation models: "static" | "continuous"
+    engine: Optional[str] = None  # "vllm" | "static" | "continuous" (generation), "vllm" | None (others)

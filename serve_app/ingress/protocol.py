@@ -11,6 +11,7 @@ window) is the replica's to check.
 # at run time, and Serve's ingress re-signs the endpoints that take them.
 import base64
 import binascii
+import dataclasses
 import json
 import time
 import uuid
@@ -28,7 +29,9 @@ from serve_app.core.calls import (
     EmbedResult,
     GenerateCall,
     GenerateResult,
+    ResponseFormat,
     SamplingParams,
+    TokenLogprob,
 )
 from serve_app.core.errors import InvalidRequestError
 
@@ -101,9 +104,28 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
+class JSONSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str = "response"
+    # "schema" shadows a BaseModel attribute, hence the alias.
+    json_schema: dict = Field(alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseFormatBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JSONSchemaFormat] = None
+
+
 class ChatCompletionBody(SamplingBody):
     messages: list[ChatMessage]
     max_completion_tokens: Optional[int] = Field(None, ge=1)
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[int] = Field(None, ge=0, le=20)
+    response_format: Optional[ResponseFormatBody] = None
+    tools: Optional[list[dict]] = None
+    tool_choice: Optional[Union[str, dict]] = None
 
     def requested_max_tokens(self) -> Optional[int]:
         return self.max_completion_tokens or self.max_tokens
@@ -180,10 +202,8 @@ def _generate_call(body: SamplingBody, model: ModelConfig, **inputs: Any) -> Gen
     limits = model.generation
     if body.stream_options is not None and not body.stream:
         raise InvalidRequestError("stream_options is only allowed with stream=true", param="stream_options")
-    if body.n != 1:
-        raise InvalidRequestError("only n=1 is supported", param="n")
-    if body.logprobs:
-        raise InvalidRequestError("logprobs are not supported", param="logprobs")
+    if body.n > limits.max_choices:
+        raise InvalidRequestError(f"n is {body.n}; this model allows at most {limits.max_choices}", param="n")
     max_tokens = body.requested_max_tokens()
     max_tokens = limits.default_max_tokens if max_tokens is None else max_tokens
     if max_tokens > limits.max_tokens_limit:
@@ -198,21 +218,54 @@ def _generate_call(body: SamplingBody, model: ModelConfig, **inputs: Any) -> Gen
     if any(not s for s in stop):
         raise InvalidRequestError("stop sequences must not be empty strings", param="stop")
     sampling = SamplingParams(temperature=body.temperature, top_p=body.top_p, seed=body.seed)
-    return GenerateCall(max_tokens=max_tokens, sampling=sampling, stop=tuple(stop), **inputs)
+    return GenerateCall(max_tokens=max_tokens, sampling=sampling, stop=tuple(stop), n=body.n, **inputs)
+
+
+def _logprobs(top: Optional[int], model: ModelConfig, param: str) -> Optional[int]:
+    """The call's logprobs: None (not asked) or how many alternatives per token."""
+    if top is None:
+        return None
+    limit = model.generation.max_top_logprobs
+    if top > limit:
+        raise InvalidRequestError(f"{param} is {top}; this model allows at most {limit}", param=param)
+    return top
 
 
 def completion_call(body: CompletionBody, model: ModelConfig) -> GenerateCall:
     if body.echo:
         raise InvalidRequestError("echo is not supported", param="echo")
     prompts = _as_list(body.prompt, "prompt", model.max_inputs_per_request)
-    return _generate_call(body, model, prompts=tuple(prompts))
+    if isinstance(body.logprobs, bool):  # the legacy field is a count; true would read as 1
+        raise InvalidRequestError("logprobs is a number of alternatives per token (0-5) on /v1/completions",
+                                  param="logprobs")
+    if body.logprobs is not None and body.logprobs < 0:
+        raise InvalidRequestError("logprobs must be >= 0", param="logprobs")
+    call = _generate_call(body, model, prompts=tuple(prompts))
+    return dataclasses.replace(call, logprobs=_logprobs(body.logprobs, model, "logprobs"))
 
 
 def chat_call(body: ChatCompletionBody, model: ModelConfig) -> GenerateCall:
     if not body.messages:
         raise InvalidRequestError("'messages' must not be empty", param="messages")
     turns = tuple(ChatTurn("system" if m.role == "developer" else m.role, m.text()) for m in body.messages)
-    return _generate_call(body, model, messages=turns)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
+    logprobs = _logprobs(body.top_logprobs or 0, model, "top_logprobs") if body.logprobs else None
+    response_format = None
+    if body.response_format is not None and body.response_format.type != "text":
+        if body.response_format.type == "json_schema":
+            if body.response_format.json_schema is None:
+                raise InvalidRequestError("response_format json_schema needs a 'json_schema' object with a 'schema'",
+                                          param="response_format")
+            schema = json.dumps(body.response_format.json_schema.json_schema, sort_keys=True, separators=(",", ":"))
+            response_format = ResponseFormat(type="json_schema", schema=schema)
+        else:
+            response_format = ResponseFormat(type="json_object")
+    tools = None
+    if body.tools and body.tool_choice != "none":
+        tools = json.dumps(body.tools, sort_keys=True, separators=(",", ":"))
+    call = _generate_call(body, model, messages=turns)
+    return dataclasses.replace(call, logprobs=logprobs, response_format=response_format, tools=tools)
 
 
 # ---- responses ------------------------------------------------------------------------
@@ -245,9 +298,37 @@ def classify_response(result: ClassifyResult, model: str) -> dict:
     return {"object": "list", "model": model, "data": data, "usage": usage(result.prompt_tokens)}
 
 
+def completion_logprobs(logprobs: Optional[tuple[TokenLogprob, ...]], text_offset: int = 0) -> Optional[dict]:
+    """OpenAI's legacy completions ``logprobs`` object."""
+    if logprobs is None:
+        return None
+    offsets, position = [], text_offset
+    for token in logprobs:
+        offsets.append(position)
+        position += len(token.token)
+    return {
+        "tokens": [t.token for t in logprobs],
+        "token_logprobs": [t.logprob for t in logprobs],
+        "top_logprobs": [dict(t.top) for t in logprobs],
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(logprobs: Optional[tuple[TokenLogprob, ...]]) -> Optional[dict]:
+    """OpenAI's chat ``logprobs`` object (``content``: one entry per token)."""
+    if logprobs is None:
+        return None
+
+    def entry(token: str, logprob: float) -> dict:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+    return {"content": [{**entry(t.token, t.logprob), "top_logprobs": [entry(tok, lp) for tok, lp in t.top]}
+                        for t in logprobs]}
+
+
 def completion_response(result: GenerateResult, model: str) -> dict:
     choices = [
-        {"index": i, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
+        {"index": i, "text": c.text, "logprobs": completion_logprobs(c.logprobs), "finish_reason": c.finish_reason}
         for i, c in enumerate(result.completions)
     ]
     return {
@@ -261,7 +342,6 @@ def completion_response(result: GenerateResult, model: str) -> dict:
 
 
 def chat_response(result: GenerateResult, model: str) -> dict:
-    (completion,) = result.completions
     return {
         "id": f"chatcmpl-{uuid.uuid4().hex}",
         "object": "chat.completion",
@@ -269,11 +349,12 @@ def chat_response(result: GenerateResult, model: str) -> dict:
         "model": model,
         "choices": [
             {
-                "index": 0,
-                "message": {"role": "assistant", "content": completion.text},
-                "logprobs": None,
-                "finish_reason": completion.finish_reason,
+                "index": i,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": chat_logprobs(c.logprobs),
+                "finish_reason": c.finish_reason,
             }
+            for i, c in enumerate(result.completions)
         ],
         "usage": usage(result.prompt_tokens, result.completion_tokens),
     }
@@ -292,14 +373,18 @@ class ChunkFormat:
         self.head = {"id": f"{self.id_prefix}-{uuid.uuid4().hex}", "object": self.object_name,
                      "created": int(time.time()), "model": model}
 
-    def opening(self) -> list[dict]:
+    def opening(self, choices: int = 1) -> list[dict]:
         return []  # completions chunks carry no role announcement
 
     def _choice(self, index: int, text: Optional[str]) -> dict:
         return {"index": index, "text": text or ""}
 
-    def text(self, index: int, text: str) -> dict:
-        return {**self.head, "choices": [{**self._choice(index, text), "logprobs": None, "finish_reason": None}]}
+    def _logprobs(self, logprobs: Optional[tuple[TokenLogprob, ...]]) -> Optional[dict]:
+        return completion_logprobs(logprobs)
+
+    def text(self, index: int, text: str, logprobs: Optional[tuple[TokenLogprob, ...]] = None) -> dict:
+        return {**self.head, "choices": [{**self._choice(index, text), "logprobs": self._logprobs(logprobs),
+                                          "finish_reason": None}]}
 
     def finish(self, index: int, finish_reason: str) -> dict:
         return {**self.head, "choices": [{**self._choice(index, None), "logprobs": None,
@@ -315,12 +400,15 @@ class ChatChunkFormat(ChunkFormat):
     object_name = "chat.completion.chunk"
     id_prefix = "chatcmpl"
 
-    def opening(self) -> list[dict]:  # OpenAI's first chunk announces the role
-        return [{**self.head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                           "logprobs": None, "finish_reason": None}]}]
+    def opening(self, choices: int = 1) -> list[dict]:  # OpenAI's first chunk of each choice announces the role
+        return [{**self.head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                           "logprobs": None, "finish_reason": None}]} for i in range(choices)]
 
     def _choice(self, index: int, text: Optional[str]) -> dict:
         return {"index": index, "delta": {} if text is None else {"content": text}}
+
+    def _logprobs(self, logprobs: Optional[tuple[TokenLogprob, ...]]) -> Optional[dict]:
+        return chat_logprobs(logprobs)
 
 
 def sse(payload: dict) -> bytes:

@@ -109,13 +109,13 @@ class Router:
             prompt_tokens = completion_tokens = 0
             texts: dict[int, list[str]] = {}
             try:
-                for opening in chunks.opening():
+                for opening in chunks.opening(call.n):
                     yield protocol.sse(opening)
                 event = first
                 while event is not None:
                     if isinstance(event, StreamDelta):
                         texts.setdefault(event.index, []).append(event.text)
-                        yield protocol.sse(chunks.text(event.index, event.text))
+                        yield protocol.sse(chunks.text(event.index, event.text, event.logprobs))
                     else:  # a row finished
                         prompt_tokens += event.prompt_tokens
                         completion_tokens += event.completion_tokens

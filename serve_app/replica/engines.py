@@ -27,7 +27,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Protocol, 
 from serve_app.config import BatchingConfig
 from serve_app.core.calls import Completion, GenerateCall, GenerateResult, StreamDelta, StreamEnd, StreamEvent
 from serve_app.core.continuous import ContinuousBatcher
-from serve_app.core.errors import ContextLengthExceededError
+from serve_app.core.errors import ContextLengthExceededError, InvalidRequestError
 from serve_app.core.models import GenerationRequest, GenerationResult, GenerationRuntime
 from serve_app.core.static_batch import Row, new_row
 from serve_app.replica.inputs import encode_each
@@ -43,7 +43,7 @@ class GenerationEngine(Protocol):
     context length) raised before any row runs, or a row's own failure.
     """
 
-    kind: str  # "static" | "continuous" (later "vllm"); ModelInfo.engine
+    kind: str  # "static" | "continuous" | "vllm"; ModelInfo.engine
 
     async def generate(self, call: GenerateCall) -> GenerateResult:
         """Every row's completion, in order. Cancelling the awaiting task cancels the rows."""
@@ -102,6 +102,23 @@ class RowOutput:
             self.outcome.set_exception(outcome)
         else:
             self.outcome.set_result(outcome)
+
+
+def refuse_what_only_vllm_does(call: GenerateCall, engine: str) -> None:
+    """A 400 naming the first field of the call that the transformers engines cannot do."""
+    refused = (
+        ("n", call.n != 1, f"n={call.n}"),
+        ("logprobs", call.logprobs is not None, "logprobs"),
+        ("response_format", call.response_format is not None, f"response_format {call.response_format and call.response_format.type}"),
+        ("tools", call.tools is not None, "tools"),
+    )
+    for field, asked, what in refused:
+        if asked:
+            raise InvalidRequestError(
+                f"{what} needs the vLLM engine; this model runs on the {engine} engine "
+                "(set engine: vllm for it, with vLLM installed)",
+                param=field,
+            )
 
 
 def prompt_ids(runtime: GenerationRuntime, call: GenerateCall) -> list[list[int]]:
@@ -183,6 +200,7 @@ class _TransformersEngine:
     # ---- shared machinery ----------------------------------------------------------
 
     def _rows(self, call: GenerateCall, deltas: Optional[asyncio.Queue]) -> list[Row]:
+        refuse_what_only_vllm_does(call, self.kind)
         loop = asyncio.get_running_loop()
         return [
             new_row(GenerationRequest(prompt_ids=ids, max_tokens=call.max_tokens, stop=tuple(call.stop)),

@@ -13,8 +13,11 @@ the others.
 
 Generation calls go to the model's engine (``replica.engines``): the static engine
 queues its rows through the same admission and executor, the continuous one batches on
-its own thread. What runs each task is picked once, at load: the model call of a
-sub-batch and the handler of each call type the model serves.
+its own thread. A model on vLLM (``engine: vllm``, or ``auto`` where vLLM runs it;
+``replica.vllm_engine``) has vLLM's scheduler batch its generation or embedding rows,
+so they skip the admission window too. What runs each task is picked once, at load:
+the runtime (vLLM or transformers), the model call of a sub-batch and the handler of
+each call type the model serves.
 """
 
 from __future__ import annotations
@@ -45,11 +48,14 @@ from serve_app.core.calls import (
 from serve_app.core.errors import InvalidRequestError
 from serve_app.core.executor import Budget, ModelPacedExecutor
 from serve_app.core.models import LoadOptions, load_runtime
+from serve_app.core.models.sources import model_revision, resolve_source
 from serve_app.core.static_batch import Row, batch_cost, expired, new_row, run_static_batch
 from serve_app.metrics import BatchMetrics
 from serve_app.replica.engines import make_engine, static_generate
 from serve_app.replica.inputs import encode_each
 from serve_app.replica.stats import ReplicaObserver
+# vllm_engine imports vLLM itself only when a model starts on it.
+from serve_app.replica.vllm_engine import VLLMEmbedder, VLLMEngine, VLLMRuntime, start_vllm, vllm_unavailable
 
 logger = logging.getLogger("ray.serve")
 
@@ -103,9 +109,10 @@ class ModelServer:
         rows handed to the executor at once instead of through ``@serve.batch`` (whose
         queue needs a replica context)."""
         self.config = ModelConfig.model_validate(model_config)
+        self._metrics = metrics if metrics is not None else BatchMetrics(self.config.name)
         self.runtime = runtime if runtime is not None else self._load()
         self.batching = self.config.batching
-        self.observer = ReplicaObserver(metrics if metrics is not None else BatchMetrics(self.config.name))
+        self.observer = ReplicaObserver(self._metrics)
         self.executor = ModelPacedExecutor(
             self._run_batch,
             budget=lambda: Budget(max_rows=self.batching.max_batch_size, max_tokens=self.batching.max_batch_tokens),
@@ -118,19 +125,38 @@ class ModelServer:
         # handler of each call type it serves (any other type is a wrong_task error).
         self._model_call: Callable[[list[Row]], list[Any]]
         self._handlers: dict[str, Callable] = {}
-        {
-            "embedding": self._serve_embeddings,
-            "text-classification": lambda: self._serve_classification("classify_texts", self._classify_texts),
-            "image-classification": lambda: self._serve_classification("classify_images", self._classify_images),
-            "text-generation": self._serve_generation,
-        }[self.runtime.task]()
+        if isinstance(self.runtime, VLLMRuntime):
+            {"embedding": self._serve_vllm_embeddings, "text-generation": self._serve_vllm_generation}[
+                self.runtime.task]()
+        else:
+            {
+                "embedding": self._serve_embeddings,
+                "text-classification": lambda: self._serve_classification("classify_texts", self._classify_texts),
+                "image-classification": lambda: self._serve_classification("classify_images", self._classify_images),
+                "text-generation": self._serve_generation,
+            }[self.runtime.task]()
         self._apply_batching(self.batching)
+
+    def _wants_vllm(self) -> bool:
+        """Whether the config asks for vLLM (engine: vllm) or lets auto consider it: an
+        explicit transformers engine (generation.engine static or continuous) does not."""
+        config = self.config
+        if config.engine != "auto":
+            return config.engine == "vllm"
+        return config.task == "embedding" or (config.task == "text-generation" and config.generation.engine == "auto")
 
     def _load(self):
         config = self.config
         torch.set_num_threads(config.effective_torch_threads())
         started = time.perf_counter()
         try:
+            if self._wants_vllm():
+                runtime = self._start_vllm()
+                if runtime is not None:
+                    logger.info("model %s started on vLLM in %.1fs: task=%s device=%s dtype=%s context=%d",
+                                config.name, time.perf_counter() - started, runtime.task, runtime.device,
+                                runtime.dtype, runtime.max_input_tokens)
+                    return runtime
             runtime = load_runtime(LoadOptions(
                 source=config.source, task=config.task, precision=config.precision, device=config.device,
                 trust_remote_code=config.trust_remote_code, hub_revision=config.hub_revision,
@@ -148,6 +174,35 @@ class ModelServer:
             runtime.dtype, runtime.revision, runtime.max_input_tokens, torch.get_num_threads(),
         )
         return runtime
+
+    def _start_vllm(self):
+        """vLLM's engine for the model, or None where ``engine: auto`` falls back to the
+        transformers runtime (logged with the reason); ``engine: vllm`` raises instead."""
+        config = self.config
+        model_dir = resolve_source(config.source, hub_revision=config.hub_revision,
+                                   trust_remote_code=config.trust_remote_code)
+        reason = vllm_unavailable(config, model_dir)
+        if reason is not None:
+            if config.engine == "vllm":
+                raise ValueError(f"model {config.name!r} has engine: vllm, but {reason}; use engine: auto or transformers")
+            logger.info("model %s: engine auto picked the transformers runtime: %s", config.name, reason)
+            return None
+        logger.info("model %s: engine %s picked vLLM", config.name, config.engine)
+        # The same files on vLLM answer slightly differently from the transformers
+        # runtime, so its answers get their own revision in cache keys.
+        revision = f"{model_revision(model_dir)}-{config.precision}-vllm"
+        return start_vllm(config, model_dir, revision, self._metrics)
+
+    def _serve_vllm_generation(self) -> None:
+        self.engine = VLLMEngine(self.runtime, self.observer, model_name=self.config.name,
+                                 stream_interval_s=self.config.vllm.stream_interval_s)
+        self._model_call = _no_static_batches
+        self._handlers.update(generate=self.engine.generate, generate_stream=self.engine.stream)
+
+    def _serve_vllm_embeddings(self) -> None:
+        self.engine = VLLMEmbedder(self.runtime, self.observer)
+        self._model_call = _no_static_batches
+        self._handlers["embed"] = self.engine.embed
 
     def _serve_embeddings(self) -> None:
         runtime = self.runtime
@@ -247,6 +302,13 @@ class ModelServer:
             async for event in events:
                 yield event
 
+    async def check_health(self) -> None:
+        """Serve's periodic health check: a model whose engine died (vLLM's engine core)
+        fails it, and Serve replaces the replica."""
+        check = getattr(self.runtime, "check_health", None)
+        if check is not None:
+            await check()
+
     async def info(self) -> ModelInfo:
         runtime = self.runtime
         return ModelInfo(
@@ -289,6 +351,10 @@ class ModelServer:
         token_rows = encode_each(self.runtime.tokenize, texts, "input")
         outputs = await self._submit([new_row(ids, len(ids), self.batching, deadline=deadline) for ids in token_rows])
         return outputs, sum(len(ids) for ids in token_rows)
+
+
+def _no_static_batches(rows: list[Row]) -> list[Any]:
+    raise AssertionError("a model on vLLM never queues rows for the replica's executor")
 
 
 def _replica_id() -> Optional[str]:

@@ -60,7 +60,7 @@ def tiny_app_args(embedding_dir, classifier_dir, llama_dir, vit_dir) -> dict:
             {
                 "name": "tiny-embed",
                 "source": str(embedding_dir),
-                "task": "embedding",
+                "task": "embedding", "engine": "transformers",
                 # A long wait lets a burst of concurrent HTTP requests meet in one batch.
                 "batching": {"max_batch_size": 32, "max_batch_tokens": 4096, "batch_wait_timeout_s": 0.1},
                 "resources": small,
@@ -76,7 +76,7 @@ def tiny_app_args(embedding_dir, classifier_dir, llama_dir, vit_dir) -> dict:
             {
                 "name": "tiny-llama",
                 "source": str(llama_dir),
-                "task": "text-generation",
+                "task": "text-generation", "engine": "transformers",
                 "batching": {"max_batch_size": 8, "max_batch_tokens": 2048, "batch_wait_timeout_s": 0.05},
                 "resources": small,
                 # Static: the batching tests here count its batches; test_streaming_api

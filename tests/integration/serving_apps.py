@@ -16,6 +16,6 @@ def extra_app(name: str, model: dict, *, router: dict | None = None, **args) -> 
 
 def profiled_app(name: str, model_dir, profile: dict) -> dict:
     """The tiny embedding model scaled by ``profile``, without a cache."""
-    model = {"name": "tiny-embed", "source": str(model_dir), "task": "embedding", "load_profile": "profile",
-             "resources": SMALL}
+    model = {"name": "tiny-embed", "source": str(model_dir), "task": "embedding", "engine": "transformers",
+             "load_profile": "profile", "resources": SMALL}
     return extra_app(name, model, cache={"enabled": False}, load_profiles={"profile": profile})

@@ -18,7 +18,7 @@ def secured(deployed, redeploy_apps_module, tiny_bert_embedding_dir, tmp_path_fa
     (folder / "admin.keys").write_text(f"# admins\n{ADMIN}\n")
     redeploy_apps_module([extra_app(
         "secured",
-        {"name": "tiny-embed", "source": str(tiny_bert_embedding_dir), "task": "embedding", "resources": SMALL},
+        {"name": "tiny-embed", "source": str(tiny_bert_embedding_dir), "task": "embedding", "engine": "transformers", "resources": SMALL},
         auth={"enabled": True, "api_keys_env": None, "admin_keys_env": None,
               "api_keys_file": str(folder / "user.keys"), "admin_keys_file": str(folder / "admin.keys")},
     )])

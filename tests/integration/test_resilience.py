@@ -23,7 +23,7 @@ pytestmark = pytest.mark.integration
 def test_overload_answers_503_with_retry_after_and_nothing_hangs(redeploy_apps, tiny_llama_dir, deployed):
     # One replica that runs 2 requests at once and lets each router queue 2 more.
     redeploy_apps([extra_app("overload", {
-        "name": "tiny-llama", "source": str(tiny_llama_dir), "task": "text-generation",
+        "name": "tiny-llama", "source": str(tiny_llama_dir), "task": "text-generation", "engine": "transformers",
         "max_ongoing_requests": 2, "max_queued_requests": 2,
         "batching": {"max_batch_size": 2, "batch_wait_timeout_s": 0.05},
         "generation": {"default_max_tokens": 32, "max_tokens_limit": 64},
@@ -79,7 +79,7 @@ def test_replica_killed_and_redis_stopped_mid_traffic_lose_no_request(
     cache's Redis dies. Every request is still answered 200."""
     redis_process, redis_url = private_redis
     redeploy_apps([extra_app("resilient", {
-        "name": "tiny-embed", "source": str(tiny_bert_embedding_dir), "task": "embedding", "num_replicas": 2,
+        "name": "tiny-embed", "source": str(tiny_bert_embedding_dir), "task": "embedding", "engine": "transformers", "num_replicas": 2,
         # Requests wait in the replica a little, so the kill finds some in flight.
         "batching": {"max_batch_size": 8, "batch_wait_timeout_s": 0.05},
         "resources": SMALL,
@@ -125,9 +125,9 @@ def test_a_model_that_fails_to_load_is_reported_and_the_others_keep_serving(rede
                                                                              deployed, tmp_path):
     missing = tmp_path / "no-such-model"
     app = extra_app("halfbroken", {
-        "name": "tiny-embed", "source": str(tiny_bert_embedding_dir), "task": "embedding", "resources": SMALL,
+        "name": "tiny-embed", "source": str(tiny_bert_embedding_dir), "task": "embedding", "engine": "transformers", "resources": SMALL,
     }, cache={"enabled": False})
-    app["args"]["models"].append({"name": "broken", "source": str(missing), "task": "embedding", "resources": SMALL})
+    app["args"]["models"].append({"name": "broken", "source": str(missing), "task": "embedding", "engine": "transformers", "resources": SMALL})
     # Serve tries the broken model's start a few times, then gives up on that
     # deployment alone (DEPLOY_FAILED); the app as a whole reports the failure.
     with pytest.raises(RuntimeError, match="deploy failed"):
@@ -170,7 +170,7 @@ def test_retuning_and_a_new_model_revision_drop_no_request(redeploy_apps, tiny_b
 
     def app(source, batching_override=None) -> dict:
         application = extra_app("rolling", {
-            "name": "tiny-embed", "source": str(source), "task": "embedding", "resources": SMALL,
+            "name": "tiny-embed", "source": str(source), "task": "embedding", "engine": "transformers", "resources": SMALL,
             "batching": {"max_batch_size": 8, "batch_wait_timeout_s": 0.05},
         }, cache={"enabled": False})
         if batching_override:
@@ -207,7 +207,7 @@ def test_requests_past_their_deadline_get_504_and_leave_the_queue(redeploy_apps,
     # queue (the static engine's batch queue, the continuous engine's waiting rows)
     # without being computed.
     redeploy_apps([extra_app("deadline", {
-        "name": "tiny-llama", "source": str(tiny_llama_dir), "task": "text-generation",
+        "name": "tiny-llama", "source": str(tiny_llama_dir), "task": "text-generation", "engine": "transformers",
         "batching": {"max_batch_size": 1, "batch_wait_timeout_s": 0.0},
         "generation": {"default_max_tokens": 64, "max_tokens_limit": 64, "engine": engine},
         "resources": SMALL,

@@ -116,7 +116,7 @@ def test_classify_text_and_image(client):
         ("/v1/chat/completions", {"model": "tiny-llama", "messages": [{"role": "robot", "content": "x"}]}, 400, "messages.0.role", "role"),
         ("/v1/completions", {"model": "tiny-llama", "prompt": "x", "max_tokens": 65}, 400, "max_tokens", "at most 64"),
         ("/v1/completions", {"model": "tiny-llama", "prompt": "x", "temperature": 3}, 400, "temperature", "less than or equal"),
-        ("/v1/completions", {"model": "tiny-llama", "prompt": "x", "n": 2}, 400, "n", "n=1"),
+        ("/v1/completions", {"model": "tiny-llama", "prompt": "x", "n": 2}, 400, "n", "needs the vLLM engine"),
         ("/v1/completions", {"model": "tiny-llama", "prompt": "word " * 100}, 400, "prompt", "at most 127"),
         ("/v1/completions", {"model": "tiny-llama", "prompt": "word " * 40, "max_tokens": 60}, 400, "max_tokens", "context of 128"),
         ("/v1/classify", {"model": "tiny-vit", "image": "%%%not-base64"}, 400, "image", "base64"),

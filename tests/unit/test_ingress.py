@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import time
 
 import numpy as np
@@ -27,9 +28,11 @@ from serve_app.core.calls import (
     GenerateCall,
     GenerateResult,
     ModelInfo,
+    ResponseFormat,
     SamplingParams,
     StreamDelta,
     StreamEnd,
+    TokenLogprob,
 )
 from serve_app.core.cache import encode_value
 from serve_app.core.errors import (
@@ -66,8 +69,9 @@ def test_chat_body_becomes_one_typed_call_with_the_model_defaults():
 
 @pytest.mark.parametrize("update, param", [
     ({"max_tokens": 513}, "max_tokens"),
-    ({"n": 2}, "n"),
+    ({"n": 9}, "n"),
     ({"logprobs": True}, "logprobs"),
+    ({"logprobs": 21}, "logprobs"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"stop": [""]}, "stop"),
     ({"echo": True}, "echo"),
@@ -80,6 +84,60 @@ def test_completion_limits_are_checked_at_the_router_naming_the_field(update, pa
     with pytest.raises(InvalidRequestError) as caught:
         protocol.completion_call(body, _model())
     assert caught.value.param == param
+
+
+def test_what_only_vllm_does_travels_in_the_call_and_changes_its_cache_key():
+    model = _model()
+    plain = protocol.chat_call(protocol.ChatCompletionBody.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}]}), model)
+    asked = protocol.chat_call(protocol.ChatCompletionBody.model_validate({
+        "model": "m", "messages": [{"role": "user", "content": "hi"}], "n": 3, "logprobs": True, "top_logprobs": 2,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}},
+    }), model)
+    assert (asked.n, asked.logprobs) == (3, 2)
+    assert asked.response_format == ResponseFormat(type="json_schema", schema='{"type":"object"}')
+    # Each field changes the answer, so each must change the cache key.
+    for field, value in (("n", 3), ("logprobs", 2), ("response_format", asked.response_format),
+                         ("tools", '[{"type":"function"}]')):
+        varied = dataclasses.replace(plain, **{field: value})
+        assert varied.cache_params() != plain.cache_params(), field
+    completion = protocol.completion_call(protocol.CompletionBody.model_validate(
+        {"model": "m", "prompt": ["a", "b"], "n": 2, "logprobs": 0}), model)
+    assert (completion.n, completion.logprobs, completion.rows) == (2, 0, 2)
+    text_format = protocol.chat_call(protocol.ChatCompletionBody.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "text"}}), model)
+    assert text_format.response_format is None
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
+])
+def test_chat_logprob_and_format_mistakes_name_the_field(body, param):
+    with pytest.raises((InvalidRequestError, ValueError)) as caught:
+        protocol.chat_call(protocol.ChatCompletionBody.model_validate(
+            {"model": "m", "messages": [{"role": "user", "content": "hi"}], **body}), _model())
+    if isinstance(caught.value, InvalidRequestError):
+        assert caught.value.param == param
+
+
+def test_choices_and_logprobs_in_openai_shapes():
+    lp = (TokenLogprob("He", -0.5, (("He", -0.5), ("Hi", -1.0))), TokenLogprob("y", -0.25, (("y", -0.25),)))
+    result = GenerateResult(completions=[
+        Completion("Hey", "stop", prompt_tokens=4, completion_tokens=2, logprobs=lp),
+        Completion("Yo", "length", prompt_tokens=0, completion_tokens=2, logprobs=lp),
+    ])
+    chat = protocol.chat_response(result, "m")
+    assert [c["index"] for c in chat["choices"]] == [0, 1]
+    assert chat["usage"] == {"prompt_tokens": 4, "completion_tokens": 4, "total_tokens": 8}
+    first = chat["choices"][0]["logprobs"]["content"][0]
+    assert first["token"] == "He" and first["bytes"] == list(b"He")
+    assert [t["token"] for t in first["top_logprobs"]] == ["He", "Hi"]
+    legacy = protocol.completion_response(result, "m")["choices"][0]["logprobs"]
+    assert legacy == {"tokens": ["He", "y"], "token_logprobs": [-0.5, -0.25],
+                      "top_logprobs": [{"He": -0.5, "Hi": -1.0}, {"y": -0.25}], "text_offset": [0, 2]}
+    assert GenerateResult.from_wire(result.to_wire()) == result
 
 
 def test_classify_call_decodes_images_and_names_the_bad_one():

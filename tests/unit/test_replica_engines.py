@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from serve_app.config import BatchingConfig
-from serve_app.core.calls import ChatTurn, Completion, GenerateCall, SamplingParams, StreamDelta, StreamEnd
+from serve_app.core.calls import (
+    ChatTurn, Completion, GenerateCall, ResponseFormat, SamplingParams, StreamDelta, StreamEnd,
+)
 from serve_app.core.errors import ContextLengthExceededError, DeadlineExceededError, InvalidRequestError
 from serve_app.core.models import GenerationResult, LoadOptions, load_runtime
 from serve_app.replica import engines
@@ -227,3 +229,17 @@ def test_auto_falls_back_to_static_when_the_cache_cannot_merge(monkeypatch, capl
         make_engine(args[0], "continuous", *args[1:], submit=None, model_name="m")
     assert make_engine(args[0], "static", *args[1:], submit=None, model_name="m").kind == "static"
     assert ContinuousEngine.kind == "continuous"
+
+
+@pytest.mark.parametrize("asked, param", [
+    ({"n": 2}, "n"),
+    ({"logprobs": 0}, "logprobs"),
+    ({"response_format": ResponseFormat(type="json_object")}, "response_format"),
+    ({"tools": '[{"type":"function"}]'}, "tools"),
+])
+def test_the_transformers_engines_refuse_what_only_vllm_does_naming_the_field(asked, param):
+    ms = static_server()
+    with pytest.raises(InvalidRequestError) as caught:
+        run(ms.infer(GenerateCall(max_tokens=2, prompts=("a",), **asked)))
+    assert caught.value.param == param and "needs the vLLM engine" in caught.value.message
+    assert not ms.runtime.calls, "refused before any row ran"

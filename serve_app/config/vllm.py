@@ -1,0 +1,76 @@
+"""The ``vllm:`` section of a model: vLLM engine options, for models that run on vLLM
+(``engine: vllm``, or ``auto`` where vLLM is installed and supports the model)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from pydantic import Field, field_validator
+
+from serve_app.config.base import _Section
+
+# Engine arguments that config fields (these, or the model's precision, source and
+# batching) already set; engine_args must not set them a second way.
+_OWNED_ENGINE_ARGS = frozenset({
+    "model", "tokenizer", "dtype", "revision", "trust_remote_code", "max_model_len", "max_num_seqs",
+    "max_num_batched_tokens", "enable_prefix_caching", "enable_chunked_prefill", "gpu_memory_utilization",
+    "tensor_parallel_size", "enforce_eager", "runner", "disable_log_stats", "seed",
+})
+
+
+class VLLMConfig(_Section):
+    """vLLM engine options. The model's ``precision`` is vLLM's dtype; its ``source``
+    (resolved to a local directory) is vLLM's model."""
+
+    max_model_len: Optional[int] = Field(
+        None, ge=16, description="Context window the engine serves, in tokens (prompt + output); default: the model's.",
+    )
+    max_num_seqs: Optional[int] = Field(
+        None, ge=1, description="Most sequences one engine step runs (vLLM's batch size); default: batching.max_batch_size.",
+    )
+    max_num_batched_tokens: Optional[int] = Field(
+        None, ge=16, description="Most tokens one engine step schedules (prefill chunks + decodes); default: vLLM's.",
+    )
+    enable_prefix_caching: bool = Field(
+        True, description="Reuse the KV cache of a prompt prefix already seen (a shared system prompt is computed "
+        "once). Generation only: encoder (embedding) models keep no KV cache.",
+    )
+    enable_chunked_prefill: bool = Field(
+        True, description="Split long prompts into chunks scheduled beside running decodes, so they do not stall "
+        "them. Generation only.",
+    )
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0.0, le=1.0, description="Share of each GPU's memory the engine may take (weights + KV cache); GPU only.",
+    )
+    cpu_kv_cache_gib: int = Field(
+        1, ge=1, description="KV cache size on CPU, in GiB (VLLM_CPU_KVCACHE_SPACE); CPU only.",
+    )
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="GPUs one replica shards the model over; resources.num_gpus must equal it. "
+        "Ray places the shards with a placement group on one node.",
+    )
+    enforce_eager: bool = Field(
+        False, description="Skip torch.compile and CUDA graphs: faster start (about 30 s less on CPU), slower steps.",
+    )
+    stream_interval_s: float = Field(
+        0.05, ge=0.0, le=1.0,
+        description="A stream's text produced within this interval travels to the router as one event (its first "
+        "token at once): fewer messages per token, so more tokens/s on the same CPUs, as Ray Serve LLM batches "
+        "streams every 50 ms. 0 sends every engine step's tokens as they come.",
+    )
+    engine_args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Any other vLLM engine argument (AsyncEngineArgs), passed as given, e.g. "
+        "{quantization: fp8, kv_cache_dtype: fp8}. Checked by vLLM when the replica starts.",
+    )
+
+    @field_validator("engine_args")
+    @classmethod
+    def _no_second_way(cls, value: dict[str, Any]) -> dict[str, Any]:
+        doubled = sorted(set(value) & _OWNED_ENGINE_ARGS)
+        if doubled:
+            raise ValueError(
+                f"engine_args sets {', '.join(doubled)}, which the model's own fields set "
+                "(source, precision, batching, or this section's fields); set them there instead"
+            )
+        return value

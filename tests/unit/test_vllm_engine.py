@@ -1,0 +1,222 @@
+"""The vLLM engine in the replica without vLLM's engine process: a fake AsyncLLM that
+speaks its output protocol (DELTA outputs per choice, abort on cancel) stands in, so
+choice order, logprobs, deadlines, cancellation and stats are checked in milliseconds.
+The real engine runs in tests/integration/test_vllm_serving.py."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from serve_app.config import ModelConfig
+from serve_app.core.calls import ChatTurn, GenerateCall, SamplingParams, StreamDelta, StreamEnd
+from serve_app.core.errors import ContextLengthExceededError, DeadlineExceededError, ModelUnavailableError
+from serve_app.replica.vllm_engine import EngineStatsLogger, VLLMRuntime, engine_args
+
+from replica_fakes import FakeMetrics, run, server
+
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+WAIT = "wait"  # a prompt whose request produces one token, then nothing until aborted
+
+
+class FakeTokenizer:
+    """A token per word, id = word length; a chat is one token per message."""
+
+    def __call__(self, text: str):
+        return SimpleNamespace(input_ids=[len(word) for word in text.split()])
+
+    def apply_chat_template(self, chat, **kwargs):
+        return [len(m["content"]) for m in chat]
+
+
+class FakeAsyncLLM:
+    """vLLM's AsyncLLM as the engine sees it: generate() yields DELTA RequestOutputs
+    (one new token per step for each of the n choices), and cancelling it aborts."""
+
+    def __init__(self, dead: bool = False):
+        self.requests: list[tuple[list[int], object]] = []
+        self.aborted: list[str] = []
+        self.dead = dead
+
+    async def generate(self, prompt, sampling, request_id):
+        ids = prompt["prompt_token_ids"]
+        self.requests.append((ids, sampling))
+        if self.dead:
+            from vllm.v1.engine.exceptions import EngineDeadError
+
+            raise EngineDeadError()
+        try:
+            steps = 1 if ids == [len(WAIT)] else sampling.max_tokens
+            for step in range(steps):
+                last = step == steps - 1 and ids != [len(WAIT)]
+                yield SimpleNamespace(outputs=[
+                    SimpleNamespace(index=j, text=f"<{ids[0]}.{j}.{step}>", token_ids=[step],
+                                    logprobs=_logprobs(step, sampling.logprobs),
+                                    finish_reason="length" if last else None)
+                    for j in range(sampling.n)
+                ])
+                await asyncio.sleep(0)
+            if ids == [len(WAIT)]:
+                await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            self.aborted.append(request_id)
+            raise
+
+    async def abort(self, request_ids):
+        self.aborted.extend(request_ids)
+
+    def shutdown(self):
+        pass
+
+    async def check_health(self):
+        if self.dead:
+            raise RuntimeError("engine core died")
+
+
+def _logprobs(token_id: int, top):
+    if top is None:
+        return None
+    candidates = {token_id: SimpleNamespace(logprob=-0.5, rank=1, decoded_token=f"tok{token_id}"),
+                  100 + token_id: SimpleNamespace(logprob=-2.0, rank=2, decoded_token="alt")}
+    return [candidates]
+
+
+def _server(engine: FakeAsyncLLM, task: str = "text-generation"):
+    runtime = VLLMRuntime(task=task, engine=engine, tokenizer=FakeTokenizer(), revision="r-vllm",
+                          max_input_tokens=20, device="cpu", dtype="float32",
+                          stats_logger=EngineStatsLogger(FakeMetrics()))
+    return server(runtime, engine="vllm")
+
+
+@needs_vllm
+def test_choices_are_prompt_major_and_a_prompt_counts_once():
+    ms = _server(FakeAsyncLLM())
+    result = run(ms.infer(GenerateCall(max_tokens=2, prompts=("a bb", "ccc"), n=2)))
+    assert [c.text for c in result.completions] == [
+        "<1.0.0><1.0.1>", "<1.1.0><1.1.1>", "<3.0.0><3.0.1>", "<3.1.0><3.1.1>"]
+    assert [c.prompt_tokens for c in result.completions] == [2, 0, 1, 0]
+    assert result.prompt_tokens == 3 and result.completion_tokens == 8
+    assert all(c.finish_reason == "length" and c.logprobs is None for c in result.completions)
+    (_, sampling), _ = ms.runtime.engine.requests
+    assert sampling.n == 2 and sampling.max_tokens == 2
+    assert run(ms.info()).engine == "vllm"
+    assert run(ms.get_stats())["engine"]["kind"] == "vllm"
+
+
+@needs_vllm
+def test_stream_sends_each_choice_its_deltas_then_ends_in_index_order():
+    ms = _server(FakeAsyncLLM())
+
+    async def collect():
+        return [event async for event in ms.infer_stream(GenerateCall(max_tokens=2, prompts=("a", "bb"), n=2))]
+
+    events = run(collect())
+    deltas = [e for e in events if isinstance(e, StreamDelta)]
+    assert {e.index for e in deltas} == {0, 1, 2, 3}
+    assert "".join(e.text for e in deltas if e.index == 3) == "<2.1.0><2.1.1>"
+    ends = [e for e in events if isinstance(e, StreamEnd)]
+    assert [e.index for e in ends] == [0, 1, 2, 3] and events[-len(ends):] == ends
+    assert [e.prompt_tokens for e in ends] == [1, 0, 1, 0]
+
+
+@needs_vllm
+def test_a_stream_sends_what_it_made_within_the_interval_as_one_delta():
+    ms = _server(FakeAsyncLLM())
+    ms.engine.stream_interval_s = 60.0  # everything after the first delta is held to the end
+
+    async def collect():
+        return [e async for e in ms.infer_stream(GenerateCall(max_tokens=4, prompts=("a",), n=2, logprobs=0))]
+
+    events = run(collect())
+    deltas = [e for e in events if isinstance(e, StreamDelta)]
+    # The stream's first token goes at once; the rest, per choice, when the interval ends.
+    assert [(d.index, d.text) for d in deltas] == [
+        (0, "<1.0.0>"), (0, "<1.0.1><1.0.2><1.0.3>"), (1, "<1.1.0><1.1.1><1.1.2><1.1.3>")]
+    assert [len(d.logprobs) for d in deltas] == [1, 3, 4]
+    plain = run(_server(FakeAsyncLLM()).infer(GenerateCall(max_tokens=4, prompts=("a",), n=2)))
+    assert ["".join(d.text for d in deltas if d.index == i) for i in (0, 1)] == [c.text for c in plain.completions]
+
+
+@needs_vllm
+def test_logprobs_carry_the_chosen_token_and_the_asked_alternatives():
+    ms = _server(FakeAsyncLLM())
+    result = run(ms.infer(GenerateCall(max_tokens=2, messages=(ChatTurn("user", "hi"),), logprobs=1)))
+    (completion,) = result.completions
+    assert [(t.token, t.logprob) for t in completion.logprobs] == [("tok0", -0.5), ("tok1", -0.5)]
+    assert all(t.top == ((t.token, -0.5),) for t in completion.logprobs)
+
+
+@needs_vllm
+def test_a_deadline_aborts_the_request_and_answers_504():
+    ms = _server(FakeAsyncLLM())
+    call = GenerateCall(max_tokens=5, prompts=(WAIT,), deadline=time.time() + 0.1)
+    with pytest.raises(DeadlineExceededError):
+        run(ms.infer(call))
+    assert len(ms.runtime.engine.aborted) >= 1
+
+
+@needs_vllm
+def test_a_consumer_that_leaves_a_stream_aborts_its_request():
+    ms = _server(FakeAsyncLLM())
+
+    async def leave_after_first_delta():
+        stream = ms.infer_stream(GenerateCall(max_tokens=5, prompts=(WAIT,)))
+        first = await stream.__anext__()
+        await stream.aclose()
+        return first
+
+    assert isinstance(run(leave_after_first_delta()), StreamDelta)
+    assert ms.runtime.engine.aborted
+    assert run(ms.get_stats())["cancelled_rows"] == 1
+
+
+@needs_vllm
+def test_a_dead_engine_is_a_503_and_fails_the_health_check():
+    ms = _server(FakeAsyncLLM(dead=True))
+    with pytest.raises(ModelUnavailableError) as caught:
+        run(ms.infer(GenerateCall(max_tokens=2, prompts=("a",))))
+    assert caught.value.code == "engine_dead"
+    with pytest.raises(RuntimeError):
+        run(ms.check_health())
+
+
+def test_the_context_window_is_checked_before_the_engine_sees_the_call():
+    ms = _server(FakeAsyncLLM())
+    with pytest.raises(ContextLengthExceededError) as caught:
+        run(ms.infer(GenerateCall(max_tokens=18, prompts=("a b c",))))
+    assert caught.value.param == "max_tokens" and not ms.runtime.engine.requests
+
+
+def test_engine_args_follow_the_config():
+    chat = ModelConfig(
+        name="c", source="/m", task="text-generation", engine="vllm", precision="bf16",
+        batching={"max_batch_size": 12}, vllm={"max_model_len": 2048, "engine_args": {"kv_cache_dtype": "fp8"}})
+    args = engine_args(chat, Path("/models/c"))
+    assert args["dtype"] == "bfloat16" and args["max_num_seqs"] == 12 and args["max_model_len"] == 2048
+    assert args["enable_prefix_caching"] and args["runner"] == "generate" and args["kv_cache_dtype"] == "fp8"
+    assert "distributed_executor_backend" not in args
+    embed = ModelConfig(name="e", source="/m", task="embedding", engine="vllm")
+    args = engine_args(embed, Path("/models/e"))
+    assert args["runner"] == "pooling" and "enable_prefix_caching" not in args
+    sharded = ModelConfig(name="big", source="/m", task="text-generation", engine="vllm",
+                          resources={"num_gpus": 4}, vllm={"tensor_parallel_size": 4})
+    assert engine_args(sharded, Path("/m"))["distributed_executor_backend"] == "ray"
+
+
+def test_engine_stats_keep_the_latest_step_and_the_prefix_hit_rate():
+    metrics = FakeMetrics()
+    logger = EngineStatsLogger(metrics)
+    for hits in (0, 96):
+        logger.record(SimpleNamespace(num_running_reqs=3, num_waiting_reqs=1, kv_cache_usage=0.25,
+                                      prefix_cache_stats=SimpleNamespace(queries=128, hits=hits)),
+                      SimpleNamespace(num_preempted_reqs=0))
+    snapshot = logger.snapshot()
+    assert snapshot["running_requests"] == 3 and snapshot["waiting_requests"] == 1
+    assert snapshot["prefix_cache_hit_rate"] == 96 / 256
+    assert metrics.prefix_cache_queries.values == [128, 128] and metrics.prefix_cache_hits.values == [96]
+    assert metrics.kv_cache_usage.values == [0.25, 0.25]
