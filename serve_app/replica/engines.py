@@ -106,11 +106,13 @@ class RowOutput:
 
 def refuse_what_only_vllm_does(call: GenerateCall, engine: str) -> None:
     """A 400 naming the first field of the call that the transformers engines cannot do."""
+    if call.tools is not None:  # no engine of ours parses tool calls yet, vLLM's included
+        raise InvalidRequestError("tool calls are not supported yet; send the request without 'tools'", param="tools")
+    response_format = call.response_format.type if call.response_format is not None else None
     refused = (
         ("n", call.n != 1, f"n={call.n}"),
         ("logprobs", call.logprobs is not None, "logprobs"),
-        ("response_format", call.response_format is not None, f"response_format {call.response_format and call.response_format.type}"),
-        ("tools", call.tools is not None, "tools"),
+        ("response_format", response_format is not None, f"response_format {response_format}"),
     )
     for field, asked, what in refused:
         if asked:
