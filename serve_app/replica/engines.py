@@ -104,10 +104,15 @@ class RowOutput:
             self.outcome.set_result(outcome)
 
 
+def refuse_tool_calls(call: GenerateCall) -> None:
+    """No engine of ours parses tool calls yet, vLLM's included: a 400 naming 'tools'."""
+    if call.tools is not None:
+        raise InvalidRequestError("tool calls are not supported yet; send the request without 'tools'", param="tools")
+
+
 def refuse_what_only_vllm_does(call: GenerateCall, engine: str) -> None:
     """A 400 naming the first field of the call that the transformers engines cannot do."""
-    if call.tools is not None:  # no engine of ours parses tool calls yet, vLLM's included
-        raise InvalidRequestError("tool calls are not supported yet; send the request without 'tools'", param="tools")
+    refuse_tool_calls(call)
     response_format = call.response_format.type if call.response_format is not None else None
     refused = (
         ("n", call.n != 1, f"n={call.n}"),
@@ -125,7 +130,8 @@ def refuse_what_only_vllm_does(call: GenerateCall, engine: str) -> None:
 
 def prompt_ids(runtime: GenerationRuntime, call: GenerateCall) -> list[list[int]]:
     """One row of token ids per prompt (completions) or one for the chat, checked
-    against the context window."""
+    against the context window. Any runtime with encode_chat, encode_prompt and
+    max_input_tokens will do (the vLLM engine's VLLMRuntime too)."""
     chat = call.chat()
     if chat is not None:
         rows = [runtime.encode_chat(chat)]

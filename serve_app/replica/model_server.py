@@ -34,6 +34,7 @@ from ray import serve
 from ray.serve.exceptions import RayServeException
 
 from serve_app.config import BatchingConfig, ModelConfig
+from serve_app.config.model import VLLM_TASKS
 from serve_app.core.calls import (
     ClassifyCall,
     ClassifyResult,
@@ -143,7 +144,8 @@ class ModelServer:
         config = self.config
         if config.engine != "auto":
             return config.engine == "vllm"
-        return config.task == "embedding" or (config.task == "text-generation" and config.generation.engine == "auto")
+        # A generation model that names a transformers engine has chosen it.
+        return config.task in VLLM_TASKS and (config.task != "text-generation" or config.generation.engine == "auto")
 
     def _load(self):
         config = self.config

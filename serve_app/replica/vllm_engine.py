@@ -47,9 +47,9 @@ from serve_app.core.calls import (
 from serve_app.core.errors import (
     ContextLengthExceededError,
     DeadlineExceededError,
-    InvalidRequestError,
     ModelUnavailableError,
 )
+from serve_app.replica.engines import prompt_ids, refuse_tool_calls
 from serve_app.replica.inputs import encode_each
 from serve_app.replica.stats import ReplicaObserver, RowTiming
 
@@ -64,10 +64,7 @@ _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 def vllm_unavailable(config: ModelConfig, model_dir: Path) -> Optional[str]:
     """Why vLLM cannot run this model here, or None if it can (``engine: auto``)."""
-    from serve_app.config.model import VLLM_TASKS
-
-    if config.task not in VLLM_TASKS:
-        return f"vLLM runs {' and '.join(VLLM_TASKS)} models here, not {config.task}"
+    # The task is settled before: ModelServer asks only for tasks vLLM runs (VLLM_TASKS).
     if config.quantization != "none":
         return f"quantization {config.quantization} is the transformers runtime's"
     if importlib.util.find_spec("vllm") is None:
@@ -108,6 +105,13 @@ class VLLMRuntime:
 
     def tokenize(self, text: str) -> list[int]:
         return self.tokenizer(text).input_ids
+
+    # What replica.engines.prompt_ids asks of a runtime (as of GenerationRuntime).
+    encode_prompt = tokenize
+
+    def encode_chat(self, chat: list[dict]) -> list[int]:
+        return list(self.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True,
+                                                       return_dict=False))
 
     async def check_health(self) -> None:
         """Raises once the engine core died (a kernel error, out of memory), so Serve
@@ -330,25 +334,6 @@ class VLLMEngine:
 
     # ---- one call ---------------------------------------------------------------
 
-    def _prompt_ids(self, call: GenerateCall) -> list[list[int]]:
-        tokenizer = self.runtime.tokenizer
-        chat = call.chat()
-        if chat is not None:
-            rows = [list(tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True,
-                                                       return_dict=False))]
-        else:
-            rows = encode_each(self.runtime.tokenize, call.prompts, "prompt")
-        window = self.runtime.max_input_tokens
-        for ids in rows:
-            total = len(ids) + call.max_tokens
-            if total > window:
-                raise ContextLengthExceededError(
-                    f"prompt ({len(ids)} tokens) + max_tokens ({call.max_tokens}) = {total} tokens exceeds "
-                    f"the model's context of {window} tokens; shorten the prompt or lower max_tokens",
-                    param="max_tokens",
-                )
-        return rows
-
     def _sampling(self, call: GenerateCall) -> Any:
         from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
@@ -374,12 +359,8 @@ class VLLMEngine:
     async def _events(self, call: GenerateCall, state: _CallState) -> AsyncIterator[StreamDelta]:
         """Run every prompt of the call, filling ``state`` and yielding each new piece of
         text. The choice index is OpenAI's: prompt-major, ``n`` per prompt."""
-        if call.tools is not None:
-            raise InvalidRequestError(
-                f"model {self.model_name!r}: tool calls are not supported yet; send the request without 'tools'",
-                param="tools",
-            )
-        rows = self._prompt_ids(call)
+        refuse_tool_calls(call)
+        rows = prompt_ids(self.runtime, call)
         sampling = self._sampling(call)
         enqueued = time.monotonic()
         self.observer.request(rows_outside_batches=len(rows) * call.n)
