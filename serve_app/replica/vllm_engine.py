@@ -460,7 +460,12 @@ def _merge_deltas(held: dict[int, list[StreamDelta]]) -> list[StreamDelta]:
 def _token_logprobs(piece: Any, top: int) -> list[TokenLogprob]:
     """Our :class:`TokenLogprob` per new token of a vLLM CompletionOutput delta."""
     out = []
-    for token_id, candidates in zip(piece.token_ids, piece.logprobs or ()):
+    pairs = list(zip(piece.token_ids, piece.logprobs or ()))
+    if piece.finish_reason == "stop" and not isinstance(getattr(piece, "stop_reason", None), str) and pairs:
+        # The row ended on EOS or a stop token id: vLLM lists that token, but its text is
+        # not in the answer, and OpenAI's logprobs spell the answer's text, token by token.
+        pairs.pop()
+    for token_id, candidates in pairs:
         chosen = candidates.get(token_id)
         ranked = sorted(candidates.values(), key=lambda lp: lp.rank)[:top] if top else []
         out.append(TokenLogprob(

@@ -22,6 +22,7 @@ from replica_fakes import FakeMetrics, run, server
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 WAIT = "wait"  # a prompt whose request produces one token, then nothing until aborted
+EOS = "e o s"  # a prompt whose rows end on the EOS token after one word
 
 
 class FakeTokenizer:
@@ -51,6 +52,14 @@ class FakeAsyncLLM:
 
             raise EngineDeadError()
         try:
+            if ids == [1, 1, 1]:  # EOS: a word, then EOS with no text, as vLLM reports it
+                for step, (text, token, finish) in enumerate((("yes", 5, None), ("", 2, "stop"))):
+                    yield SimpleNamespace(outputs=[
+                        SimpleNamespace(index=j, text=text, token_ids=[token], stop_reason=None,
+                                        logprobs=_logprobs(token, sampling.logprobs), finish_reason=finish)
+                        for j in range(sampling.n)
+                    ])
+                return
             steps = 1 if ids == [len(WAIT)] else sampling.max_tokens
             for step in range(steps):
                 last = step == steps - 1 and ids != [len(WAIT)]
@@ -149,6 +158,22 @@ def test_logprobs_carry_the_chosen_token_and_the_asked_alternatives():
     (completion,) = result.completions
     assert [(t.token, t.logprob) for t in completion.logprobs] == [("tok0", -0.5), ("tok1", -0.5)]
     assert all(t.top == ((t.token, -0.5),) for t in completion.logprobs)
+
+
+@needs_vllm
+def test_logprobs_leave_out_the_eos_token_the_text_leaves_out():
+    ms = _server(FakeAsyncLLM())
+    result = run(ms.infer(GenerateCall(max_tokens=4, prompts=(EOS,), n=2, logprobs=0)))
+    for completion in result.completions:
+        assert completion.text == "yes" and completion.finish_reason == "stop"
+        assert [t.token for t in completion.logprobs] == ["tok5"]
+        assert completion.completion_tokens == 2  # EOS was generated, and is billed as vLLM's server does
+
+    async def collect():
+        return [e async for e in ms.infer_stream(GenerateCall(max_tokens=4, prompts=(EOS,), logprobs=0))]
+
+    deltas = [e for e in run(collect()) if isinstance(e, StreamDelta)]
+    assert [(d.text, [t.token for t in d.logprobs]) for d in deltas] == [("yes", ["tok5"])]
 
 
 @needs_vllm
