@@ -32,8 +32,9 @@ class BatchingConfig(_Section):
     max_batch_tokens: int = Field(
         8192,
         ge=1,
-        description="Most real tokens one batch may hold (for generation: prompt + max_tokens per row); "
-        "also the padded-token cap of each length-sorted sub-batch. Bounds activation memory.",
+        description="Most tokens one batch may hold, padding included (for generation: rows x (longest "
+        "prompt + largest max_tokens) for a static sub-batch, the KV cache's rows x width at its widest for "
+        "the continuous engine); also the padded-token cap of each length-sorted sub-batch. Bounds memory.",
     )
     batch_wait_timeout_s: float = Field(
         0.01, ge=0.0, le=10.0, description="How long the first request of a batch waits for others, in seconds."
@@ -88,7 +89,7 @@ class GenerationConfig(_Section):
         "runtime: static: rows admitted together run as one padded generate() until the last one ends. "
         "continuous: iteration-level batching; requests join the running batch between decode steps and "
         "leave as soon as they end (batching.max_batch_size caps its rows, max_batch_tokens its KV cache, "
-        "counted as prompt + max_tokens per row). auto: vLLM where the model's engine resolves to it, else "
+        "counted as its padded rows x width at the widest it can grow to). auto: vLLM where the model's engine resolves to it, else "
         "continuous where the model supports it (a plain KV cache and position_ids; not sliding-window "
         "models), else static; the generation-mixed benchmark measured continuous ahead at every load.",
     )

@@ -31,6 +31,16 @@ class SamplingParams:
     temperature: float = 1.0  # 0 -> greedy
     top_p: float = 1.0
     seed: Optional[int] = None
+    # OpenAI's penalties and logit_bias. Only vLLM applies them; the transformers
+    # engines refuse a call where any differs from these defaults (which change nothing).
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs, sorted by id
+
+    @property
+    def penalised(self) -> bool:
+        """Whether any penalty or logit bias is set (a non-default value)."""
+        return bool(self.frequency_penalty or self.presence_penalty or self.logit_bias)
 
     @property
     def greedy(self) -> bool:
@@ -49,20 +59,42 @@ class ChatTurn:
 
 
 class _Wire:
-    """Results travel through the response cache as msgpack maps (never pickle)."""
+    """Results travel through the response cache as msgpack maps (never pickle).
+
+    Every result carries ``revision``: the revision of the replica that computed it
+    (``ModelServer.infer`` sets it). During a rolling update the router's idea of the
+    model's revision can be another replica's, so the router writes an answer back under
+    the revision in the answer, never under the one it guessed. A change of fields here
+    needs a bump of ``serve_app.core.cache.values.VALUE_SCHEMA``.
+    """
 
     def to_wire(self) -> dict:
         return dataclasses.asdict(self)  # type: ignore[call-overload]
+
+
+def _pair(value: Any) -> Any:
+    """A stored (label, score) pair as it is, refusing anything else: unpacking would
+    take the string "12" for the pair ("1", 2.0)."""
+    if not isinstance(value, (list, tuple)) or len(value) != 2:
+        raise ValueError(f"not a (label, score) pair: {value!r:.40}")
+    return value
+
+
+def _revision(data: dict) -> Optional[str]:
+    revision = data.get("revision")
+    return None if revision is None else str(revision)
 
 
 @dataclass(frozen=True)
 class EmbedResult(_Wire):
     embeddings: list[list[float]]
     prompt_tokens: int
+    revision: Optional[str] = None
 
     @classmethod
     def from_wire(cls, data: dict) -> "EmbedResult":
-        return cls(embeddings=list(data["embeddings"]), prompt_tokens=int(data["prompt_tokens"]))
+        return cls(embeddings=list(data["embeddings"]), prompt_tokens=int(data["prompt_tokens"]),
+                   revision=_revision(data))
 
 
 @dataclass(frozen=True)
@@ -70,11 +102,12 @@ class ClassifyResult(_Wire):
     # Per input: (label, score) pairs, best first, at most the call's top_k.
     rankings: list[list[tuple[str, float]]]
     prompt_tokens: int
+    revision: Optional[str] = None
 
     @classmethod
     def from_wire(cls, data: dict) -> "ClassifyResult":
-        rankings = [[(str(label), float(score)) for label, score in row] for row in data["rankings"]]
-        return cls(rankings=rankings, prompt_tokens=int(data["prompt_tokens"]))
+        rankings = [[(str(label), float(score)) for label, score in map(_pair, row)] for row in data["rankings"]]
+        return cls(rankings=rankings, prompt_tokens=int(data["prompt_tokens"]), revision=_revision(data))
 
 
 @dataclass(frozen=True)
@@ -116,6 +149,7 @@ class GenerateResult(_Wire):
     # One per choice, prompt-major: prompt 0's n choices, then prompt 1's (completions),
     # or the chat's n choices; OpenAI's choice index is the position here.
     completions: list[Completion]
+    revision: Optional[str] = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -127,7 +161,7 @@ class GenerateResult(_Wire):
 
     @classmethod
     def from_wire(cls, data: dict) -> "GenerateResult":
-        return cls(completions=[Completion.from_wire(c) for c in data["completions"]])
+        return cls(completions=[Completion.from_wire(c) for c in data["completions"]], revision=_revision(data))
 
 
 @dataclass(frozen=True)
@@ -206,8 +240,9 @@ class ResponseFormat:
 class GenerateCall:
     """Completions (``prompts``: one row each) or a chat (``messages``: one row).
 
-    ``n``, ``logprobs``, ``response_format`` and ``tools`` are what only some engines
-    do (vLLM's); an engine that cannot refuses the call with a 400 naming the field.
+    ``n``, ``logprobs``, ``response_format``, ``tools`` and the sampling penalties and
+    logit bias are what only some engines do (vLLM's); an engine that cannot refuses
+    the call with a 400 naming the field.
     """
 
     max_tokens: int
@@ -249,6 +284,9 @@ class GenerateCall:
             "top_p": self.sampling.top_p,
             "stop": list(self.stop),
             "seed": self.sampling.seed,
+            "frequency_penalty": self.sampling.frequency_penalty,
+            "presence_penalty": self.sampling.presence_penalty,
+            "logit_bias": [list(pair) for pair in self.sampling.logit_bias],
             # Each of these changes the answer, so each is part of the key.
             "n": self.n,
             "logprobs": self.logprobs,
@@ -280,3 +318,7 @@ class ModelInfo:
     quantization: str
     labels: tuple[str, ...] = ()
     engine: Optional[str] = None  # "vllm" | "static" | "continuous" (generation), "vllm" | None (others)
+    # time.time() when this replica loaded the model. During a rolling update replicas of
+    # two revisions answer side by side; the router keeps the revision of the replica
+    # loaded last, so its idea of the current revision never goes back to the old one.
+    loaded_at: Optional[float] = None

@@ -17,12 +17,15 @@ One step (:meth:`ContinuousBatcher.step`):
 
 1. rows cancelled since the last step leave the batch (finish_reason "cancelled");
 2. waiting rows are admitted first come, first served while the batch has fewer than
-   ``max_rows`` rows and the KV-cache reservation stays within ``kv_token_budget``
-   (each row reserves ``prompt_tokens + max_tokens``, so cache memory is bounded; a
-   single row larger than the whole budget still runs, alone, rather than starving);
+   ``max_rows`` rows and the cache the batch can come to allocate stays within
+   ``kv_token_budget`` slots (see "Memory" below; a single row larger than the whole
+   budget still runs, alone, rather than starving);
 3. the admitted rows are prefilled together as their own left-padded batch, which
-   yields their first token, and their cache is merged into the running one;
-4. one decode step runs for all rows, each sampling with its own parameters;
+   yields their first token, and their cache is merged into the running one, as one
+   transaction (see "Errors" below);
+4. one decode step runs for all rows, each sampling with its own parameters after the
+   model's own logits processors (its ``generation_config``: repetition_penalty and the
+   like, as the static engine's ``generate()`` applies them);
 5. rows that ended (EOS, stop string, max_tokens, context window, cancelled) leave:
    their rows are cut out of every layer's keys and values, and the cache columns that
    only padding still uses are trimmed, so the cache never grows beyond the longest
@@ -38,11 +41,35 @@ size the paged cache for the machine's memory (3 small requests took 14 s agains
 with generate()), and tuned it was still slower than this loop on SmolLM2-135M with
 16 requests (57 against 72 tokens/s); hence this loop.
 
+Memory. Left padding makes the cache rows x (longest running row) slots, whatever the
+other rows hold: one long row beside many short ones pads all of them to its width.
+So admission charges that padded footprint, not each row's own tokens: a row may grow
+to ``prompt_tokens + max_tokens`` columns, and a row joins only while the most slots
+the batch with it could come to hold, were every row to run to its limit, stays within
+the budget (:func:`~serve_app.core.kv_cache.peak_slots`). Short rows still join beside
+a long one as long as they end before it has grown wide (their slots and its later
+width never add up); rows that end early only lower the peak. The stats'
+``kv_tokens_reserved`` is that bound for the running batch, ``kv_cache_slots`` what is
+allocated now. Transients come on top for the length of one merge: the joining rows'
+own prefill cache, and one layer's old tensors while the layers are merged.
+
+Errors. Each row ends exactly once, with a result or an exception, whatever fails. A
+failed prefill, first-token sampling or merge fails the joining rows only, before any
+of them streamed anything (their first token goes out once the merge is done, and the
+merge puts the running cache back if a layer fails: see
+:func:`~serve_app.core.kv_cache.append_rows`). A failed decode step, or a failure to
+cut finished rows out of the cache, fails the rows still running and drops the batch;
+a row whose text fails to decode fails alone. Anything else that escapes a step fails
+every row the step held. The reservation is computed from the running rows, never
+counted up and down, so it cannot leak or be returned twice; the engine goes on with
+later requests.
+
 This module must never import ray.
 """
 
 from __future__ import annotations
 
+import copy
 import inspect
 import itertools
 import logging
@@ -74,7 +101,7 @@ class _Row:
         self.request = request
         self.sink = sink
         self.limit = limit  # max_tokens capped by the context window
-        self.kv_cost = len(request.prompt_ids) + limit
+        self.kv_cost = len(request.prompt_ids) + limit  # the most cache columns this row can come to hold
         self.stream = stream
         temperature = params.temperature
         self.temperature = float(temperature) if temperature is not None and temperature > 0 else 0.0
@@ -88,15 +115,25 @@ class _Row:
         self.cached_len = 0  # real (non-padding) tokens of this row in the cache
         self.finish_reason: str | None = None
         self.sink_failed = False
+        self.ended = False  # its sink got on_finish; nothing may end it again
+        # The model's logits processors for this row (None if its generation_config asks
+        # for none), and the ids they look at: prompt, then the tokens generated so far.
+        self.processors = None
+        self.history: torch.Tensor | None = None
+        self.history_len = 0
 
 
 class ContinuousBatcher:
     """Iteration-level batching over one :class:`GenerationRuntime`; see the module docstring.
 
-    ``max_rows`` caps the rows decoded together; ``kv_token_budget`` caps the sum of
-    ``prompt_tokens + max_tokens`` over them. The cache as allocated is at most
-    (rows) x (longest running row) positions per layer, since rows are left-padded to
-    the longest one.
+    ``max_rows`` caps the rows decoded together; ``kv_token_budget`` caps the cache
+    slots (rows x columns, the left padding included) the running rows can come to
+    hold, each row growing to ``prompt_tokens + max_tokens`` columns; a row alone may
+    exceed it.
+
+    Raises ValueError for a model whose cache layout cannot be merged (sliding
+    window), that takes no ``position_ids``, or whose generation_config cannot be
+    turned into logits processors here: the static engine serves those.
     """
 
     def __init__(self, runtime: GenerationRuntime, *, max_rows: int, kv_token_budget: int):
@@ -117,6 +154,7 @@ class ContinuousBatcher:
         self._cache_kwarg = "cache" if "cache" in forward_params else "past_key_values"
         self._logits_to_keep = "logits_to_keep" in forward_params
         kv_cache.check_cache_layout(self.model)
+        self._generation_config = self._prepare_generation_config()
 
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)  # notified on submit, cancel and shutdown
@@ -131,6 +169,7 @@ class ContinuousBatcher:
         self._active: list[_Row] = []
         self._cache = None  # transformers DynamicCache, or None while no row runs
         self._mask: torch.Tensor | None = None  # [rows, cache columns], 1 = real token
+        self._joining: list[_Row] = []  # admitted this step, not yet merged into the batch
 
         # Counters, updated under _lock so that stats() is consistent.
         self._steps = 0
@@ -140,7 +179,7 @@ class ContinuousBatcher:
         self._rows_cancelled = 0
         self._rows_failed = 0
         self._tokens_generated = 0
-        self._kv_reserved = 0
+        self._kv_reserved = 0  # kv_cache.peak_slots of the running (and joining) rows
 
     # ------------------------------------------------------------------ public, any thread
 
@@ -261,15 +300,33 @@ class ContinuousBatcher:
 
         Call it from one thread only: the engine thread, or a test driving the batcher
         by hand without start(). Model errors end the rows they hit (their sink gets
-        the exception) and are not raised.
+        the exception) and are not raised; an error the step does not expect ends
+        every row it held and is raised (run_forever logs it and goes on).
         """
         if not self._stepping.acquire(blocking=False):
             raise RuntimeError("ContinuousBatcher.step() is already running in another thread")
         try:
             with torch.inference_mode():
                 return self._step()
+        except BaseException as exc:
+            # Whatever escaped the step's own handling left its rows in an unknown
+            # state: end each of them (with this error) rather than leave a client
+            # waiting for a row that no step will run again.
+            self._abandon(exc)
+            raise
         finally:
             self._stepping.release()
+
+    def _abandon(self, error: BaseException) -> None:
+        """Fail every row the step held (running or joining) that has not ended, and drop the batch."""
+        rows = list(self._joining) + [r for r in self._active if r not in self._joining]
+        self._set_batch([], None, None)
+        with self._lock:
+            self._joining = []
+            self._kv_reserved = 0
+        for row in rows:
+            if not row.ended:
+                self._fail(row, error)
 
     def _step(self) -> bool:
         with self._lock:
@@ -282,7 +339,7 @@ class ContinuousBatcher:
         if leaving:
             for row in leaving:
                 self._finish(row, "cancelled")
-            self._keep_rows([i for i, r in enumerate(self._active) if r.finish_reason is None])
+            self._keep_rows([i for i, r in enumerate(self._active) if not r.ended])
 
         admitted = self._admit()
         if not admitted and not self._active:
@@ -296,60 +353,86 @@ class ContinuousBatcher:
         return True
 
     def _admit(self) -> list[_Row]:
-        """Take waiting rows, first come first served, while they fit the row and KV budgets."""
+        """Take waiting rows, first come first served, while they fit the row and KV budgets.
+
+        A row is charged what the batch would allocate with it (rows x padded width,
+        up to every row's limit), not its own tokens: see the module docstring.
+        """
         admitted: list[_Row] = []
         now = time.monotonic()
         with self._lock:
+            batch = [(r.cached_len, r.kv_cost) for r in self._active]
             while self._waiting and len(self._active) + len(admitted) < self.max_rows:
                 row = self._waiting[0]
-                batch_empty = not self._active and not admitted
-                if self._kv_reserved + row.kv_cost > self.kv_token_budget and not batch_empty:
+                # Prefill leaves a joining row holding its prompt.
+                candidate = batch + [(len(row.request.prompt_ids), row.kv_cost)]
+                if batch and kv_cache.peak_slots(candidate) > self.kv_token_budget:
                     break  # the head waits for room; later rows do not overtake it
                 self._waiting.popleft()
                 admitted.append(row)
+                batch = candidate
                 row.handle.admitted_at = now
-                self._kv_reserved += row.kv_cost
                 self._rows_admitted += 1
+            self._joining = admitted
+            self._kv_reserved = kv_cache.peak_slots(batch)
         return admitted
 
     def _prefill(self, rows: list[_Row]) -> None:
-        """Run the new rows' prompts as one left-padded batch and merge them into the running batch."""
+        """Run the new rows' prompts as one left-padded batch and merge them into the running batch.
+
+        One transaction: until the merge is done nothing is streamed and the running
+        batch is untouched, so a failure anywhere (an out-of-memory in the forward or in
+        the merge's concatenations) fails the joining rows alone, before any of them sent
+        a token; the running rows go on.
+        """
+        try:
+            try:
+                cache, mask, tokens = self._prefill_forward(rows)
+                for row in rows:
+                    row.cached_len = len(row.request.prompt_ids)
+                deltas = [self._take(row, token) for row, token in zip(rows, tokens)]
+                keep = [i for i, r in enumerate(rows) if r.finish_reason is None]
+                if keep:
+                    if len(keep) < len(rows):  # the prefill cache is ours alone: a failure here touches no one else
+                        cache, mask = kv_cache.select_rows(cache, mask, keep)
+                    self._merge(cache, mask, [rows[i] for i in keep])
+            except Exception as exc:
+                logger.exception("prefill of %d new row(s) failed", len(rows))
+                for row in rows:
+                    self._fail(row, exc)
+                return
+            # Committed: the rows are in the batch (or ended at their first token).
+            now = time.monotonic()
+            for row, delta in zip(rows, deltas):
+                row.handle.first_token_at = now
+                self._deliver(row, delta)
+            for row in rows:
+                if row.finish_reason is not None:
+                    self._finish(row, row.finish_reason)
+        finally:
+            with self._lock:
+                self._joining = []
+                self._kv_reserved = self._peak_slots(self._active)
+
+    def _prefill_forward(self, rows: list[_Row]):
+        """The new rows' own left-padded cache and mask, and each row's first token."""
         from transformers import DynamicCache
 
-        try:
-            width = max(len(r.request.prompt_ids) for r in rows)
-            ids = torch.full((len(rows), width), self.runtime.pad_token_id, dtype=torch.long)
-            mask = torch.zeros((len(rows), width), dtype=torch.long)
-            for i, row in enumerate(rows):
-                n = len(row.request.prompt_ids)
-                ids[i, width - n:] = torch.tensor(row.request.prompt_ids, dtype=torch.long)
-                mask[i, width - n:] = 1
-            ids, mask = ids.to(self.device), mask.to(self.device)
-            # The same positions transformers' generate() gives a left-padded prompt.
-            positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
-            cache = DynamicCache(config=self.model.config)
-            logits = self._forward(ids, mask, positions, cache)
-            tokens = self._sample(logits, rows)
-        except Exception as exc:
-            logger.exception("prefill of %d new row(s) failed", len(rows))
-            for row in rows:
-                self._fail(row, exc)
-            return
-        now = time.monotonic()
-        for row, token in zip(rows, tokens):
-            row.cached_len = len(row.request.prompt_ids)
-            row.handle.first_token_at = now
-            self._accept(row, token)
-        keep = [i for i, r in enumerate(rows) if r.finish_reason is None]
-        for row in rows:
-            if row.finish_reason is not None:
-                self._finish(row, row.finish_reason)
-        if not keep:
-            return
-        if len(keep) < len(rows):
-            cache, mask = kv_cache.select_rows(cache, mask, keep)
-            rows = [rows[i] for i in keep]
-        self._merge(cache, mask, rows)
+        width = max(len(r.request.prompt_ids) for r in rows)
+        ids = torch.full((len(rows), width), self.runtime.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, row in enumerate(rows):
+            n = len(row.request.prompt_ids)
+            ids[i, width - n:] = torch.tensor(row.request.prompt_ids, dtype=torch.long)
+            mask[i, width - n:] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        for i, row in enumerate(rows):
+            self._init_processors(row, ids[i, width - len(row.request.prompt_ids):])
+        # The same positions transformers' generate() gives a left-padded prompt.
+        positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+        cache = DynamicCache(config=self.model.config)
+        logits = self._forward(ids, mask, positions, cache)
+        return cache, mask, self._sample(logits, rows)
 
     def _decode(self) -> None:
         """One token for every running row."""
@@ -367,15 +450,25 @@ class ContinuousBatcher:
             for row in rows:
                 self._fail(row, exc)
             return
-        self._set_batch(rows, self._cache, mask)
-        for row, token in zip(rows, tokens):
+        for row in rows:
             row.cached_len += 1
-            self._accept(row, token)
-        if any(r.finish_reason is not None for r in rows):
-            for row in rows:
-                if row.finish_reason is not None:
-                    self._finish(row, row.finish_reason)
-            self._keep_rows([i for i, r in enumerate(rows) if r.finish_reason is None])
+        self._set_batch(rows, self._cache, mask)
+        failed: dict[int, Exception] = {}
+        for i, (row, token) in enumerate(zip(rows, tokens)):
+            try:
+                self._accept(row, token)
+            except Exception as exc:  # e.g. its text failed to decode: only this row is in doubt
+                logger.exception("request %d: recording its token failed", row.handle.request_id)
+                failed[i] = exc
+        keep = []
+        for i, row in enumerate(rows):
+            if i in failed:
+                self._fail(row, failed[i])
+            elif row.finish_reason is not None:
+                self._finish(row, row.finish_reason)
+            else:
+                keep.append(i)
+        self._keep_rows(keep)
 
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
         """Last-position logits (float32, [rows, vocab]); the cache grows by ids' width."""
@@ -386,7 +479,16 @@ class ContinuousBatcher:
         return out.logits[:, -1, :].float()
 
     def _sample(self, logits: torch.Tensor, rows: list[_Row]) -> list[int]:
-        """One token per row: argmax for greedy rows; temperature, top-p and the row's generator otherwise."""
+        """One token per row: the model's logits processors first (the row's own, on its
+        own ids, so its tokens are those it would get alone), then argmax for greedy
+        rows; temperature, top-p and the row's generator otherwise. That is the static
+        engine's order too: generate()'s processors, then its sampler."""
+        # Row by row, each on its own ids: in a padded batch the processors would see the
+        # padding (a repetition penalty would penalise the pad token in short rows only).
+        # Only rows of a model whose generation_config asks for processors pay for this.
+        for i, row in enumerate(rows):
+            if row.processors is not None:
+                logits[i:i + 1] = row.processors(row.history[None, :row.history_len], logits[i:i + 1])
         chosen = logits.argmax(dim=-1)
         sampled = [i for i, r in enumerate(rows) if r.temperature > 0]
         if sampled:
@@ -402,20 +504,31 @@ class ContinuousBatcher:
         return chosen.tolist()
 
     def _accept(self, row: _Row, token: int) -> None:
-        """Record a sampled token: stream its text and decide whether the row ends."""
+        """Record a sampled token, stream its text, and decide whether the row ends."""
+        self._deliver(row, self._take(row, token))
+
+    def _take(self, row: _Row, token: int) -> str:
+        """Record a sampled token and decide whether the row ends; return its new text, not yet streamed."""
         row.tokens.append(token)
         row.next_token = token
+        if row.history is not None and row.history_len < row.history.shape[0]:
+            row.history[row.history_len] = token
+            row.history_len += 1
         if token in self.runtime.eos_token_ids:
             row.finish_reason = "stop"
-            return
-        self._deliver(row, row.stream.push(token))
+            return ""
+        delta = row.stream.push(token)
         if row.stream.stopped:
             row.finish_reason = "stop"
         elif len(row.tokens) >= row.limit:
             row.finish_reason = "length"
+        return delta
 
     def _merge(self, cache, mask: torch.Tensor, rows: list[_Row]) -> None:
-        """Append prefilled rows to the running batch, left-padding the shorter cache."""
+        """Append prefilled rows to the running batch, left-padding the shorter cache.
+
+        All or nothing: if it raises, the running batch (rows, cache, mask) is as it was.
+        """
         if not self._active:
             self._set_batch(list(rows), cache, mask)
             return
@@ -423,19 +536,86 @@ class ContinuousBatcher:
         self._set_batch(self._active + list(rows), merged, merged_mask)
 
     def _keep_rows(self, keep: list[int]) -> None:
-        """Shrink the running batch to the rows at ``keep`` (its finished rows leave)."""
+        """Shrink the running batch to the rows at ``keep`` (its finished rows, already ended, leave)."""
         if not keep:
             self._set_batch([], None, None)
             return
         if len(keep) == len(self._active):
             return
-        cache, mask = kv_cache.select_rows(self._cache, self._mask, keep)
-        self._set_batch([self._active[i] for i in keep], cache, mask)
+        survivors = [self._active[i] for i in keep]
+        try:
+            cache, mask = kv_cache.select_rows(self._cache, self._mask, keep)
+        except Exception as exc:
+            # Some layers may have lost rows already: the cache is no longer one batch.
+            # Fail the rows still running (the finished ones have ended) and start over.
+            logger.exception("cutting finished rows out of the cache failed; failing the %d row(s) still running",
+                             len(survivors))
+            self._set_batch([], None, None)
+            for row in survivors:
+                self._fail(row, exc)
+            return
+        self._set_batch(survivors, cache, mask)
 
     def _set_batch(self, active: list[_Row], cache, mask: torch.Tensor | None) -> None:
         """Replace the running batch; under the lock so that stats() sees rows and cache agree."""
+        reserved = self._peak_slots(active + [r for r in self._joining if not r.ended and r not in active])
         with self._lock:
             self._active, self._cache, self._mask = active, cache, mask
+            self._kv_reserved = reserved
+
+    @staticmethod
+    def _peak_slots(rows: list[_Row]) -> int:
+        return kv_cache.peak_slots((max(r.cached_len, len(r.request.prompt_ids)), r.kv_cost) for r in rows)
+
+    # ------------------------------------------------------------------ the model's logits processors
+
+    def _prepare_generation_config(self):
+        """The model's generation_config as the static engine's generate() call resolves it.
+
+        Built once with the arguments :meth:`GenerationRuntime.generate` passes
+        (greedy decoding, its sampler being a processor of its own, which the
+        continuous engine does in :meth:`_sample`), through transformers' own
+        preparation, so both engines apply the same processors. Raises ValueError if
+        this transformers has no such preparation: the static engine then serves the
+        model rather than this one ignoring its generation_config.
+        """
+        kwargs = dict(
+            max_new_tokens=1, min_new_tokens=0, num_beams=1, num_return_sequences=1,
+            pad_token_id=self.runtime.pad_token_id, eos_token_id=sorted(self.runtime.eos_token_ids) or None,
+            do_sample=False, temperature=None, top_p=None, top_k=None,
+        )
+        try:
+            config, _ = self.model._prepare_generation_config(None, **kwargs)
+            self.model._prepare_special_tokens(config, True, device=self.device)
+            if not callable(getattr(self.model, "_get_logits_processor", None)):  # used per row
+                raise AttributeError("no _get_logits_processor")
+        except (AttributeError, TypeError) as exc:
+            raise ValueError(f"cannot build {type(self.model).__name__}'s logits processors from its "
+                             f"generation_config with this transformers ({exc})") from exc
+        # generate() turns min_new_tokens=0 into min_length = prompt length, a minimum
+        # every row already meets; 0 says the same without a processor that never acts.
+        config.min_length = 0
+        return config
+
+    def _init_processors(self, row: _Row, prompt: torch.Tensor) -> None:
+        """The logits processors generate() would build for this row alone (``prompt``: its ids on the device)."""
+        from transformers import LogitsProcessorList
+
+        n = prompt.shape[0]
+        config = copy.copy(self._generation_config)
+        config.max_new_tokens = row.limit
+        config.max_length = n + row.limit  # what generate() derives from max_new_tokens
+        processors = self.model._get_logits_processor(
+            generation_config=config, input_ids_seq_length=n, encoder_input_ids=prompt[None, :],
+            prefix_allowed_tokens_fn=None, logits_processor=LogitsProcessorList(), device=self.device,
+            model_kwargs={},
+        )
+        if not len(processors):
+            return  # the usual case: nothing to apply, nothing to keep per token
+        row.processors = processors
+        row.history = torch.empty(n + row.limit, dtype=torch.long, device=self.device)
+        row.history[:n] = prompt
+        row.history_len = n
 
     # ------------------------------------------------------------------ delivering
 
@@ -449,39 +629,46 @@ class ContinuousBatcher:
             row.sink_failed = True
 
     def _finish(self, row: _Row, reason: str) -> None:
-        """End a row with a result: flush its held-back text, free its reservation, tell its sink."""
-        row.finish_reason = reason
-        self._deliver(row, row.stream.finish())
-        handle = row.handle
-        handle.finished_at = time.monotonic()
-        result = GenerationResult(
-            text=row.stream.text, token_ids=list(row.tokens), finish_reason=reason,
-            prompt_tokens=handle.prompt_tokens, completion_tokens=len(row.tokens),
-            time_to_first_token_s=handle.time_to_first_token_s if row.tokens else None,
-        )
-        with self._lock:
-            if handle.admitted_at is not None:
-                self._kv_reserved -= row.kv_cost
-            self._rows_finished += 1
-            self._rows_cancelled += reason == "cancelled"
-            self._tokens_generated += len(row.tokens)
+        """End a row with a result: flush its held-back text, tell its sink."""
+        if row.ended:
+            return
         try:
-            row.sink.on_finish(result)
-        except Exception:
-            logger.exception("sink.on_finish failed for request %d", handle.request_id)
+            row.finish_reason = reason
+            self._deliver(row, row.stream.finish())
+            handle = row.handle
+            result = GenerationResult(
+                text=row.stream.text, token_ids=list(row.tokens), finish_reason=reason,
+                prompt_tokens=handle.prompt_tokens, completion_tokens=len(row.tokens),
+                time_to_first_token_s=handle.time_to_first_token_s if row.tokens else None,
+            )
+        except Exception as exc:  # its text failed to decode: it still ends, with the error
+            logger.exception("request %d: building its result failed", row.handle.request_id)
+            self._fail(row, exc)
+            return
+        self._end(row, result)
 
     def _fail(self, row: _Row, error: BaseException) -> None:
         """End a row with an exception instead of a result."""
+        if row.ended:
+            return
         row.finish_reason = "error"
+        self._end(row, error)
+
+    def _end(self, row: _Row, outcome: GenerationResult | BaseException) -> None:
+        """The one place a row ends: counted once, its sink told once."""
+        if row.ended:
+            logger.error("request %d already ended; not ending it again", row.handle.request_id)
+            return
+        row.ended = True
         row.handle.finished_at = time.monotonic()
+        failed = isinstance(outcome, BaseException)
         with self._lock:
-            if row.handle.admitted_at is not None:
-                self._kv_reserved -= row.kv_cost
             self._rows_finished += 1
-            self._rows_failed += 1
+            self._rows_failed += failed
+            self._rows_cancelled += (not failed) and outcome.finish_reason == "cancelled"
             self._tokens_generated += len(row.tokens)
         try:
-            row.sink.on_finish(error)
+            row.sink.on_finish(outcome)
         except Exception:
             logger.exception("sink.on_finish failed for request %d", row.handle.request_id)
 

@@ -82,5 +82,8 @@ class BatcherStats:
     tokens_generated: int
     active_rows: int
     waiting_rows: int
-    kv_tokens_reserved: int  # sum of prompt_tokens + max_tokens over active rows
+    # The most cache slots (rows x columns, left padding included) the running rows can
+    # come to hold, each growing to prompt_tokens + max_tokens; admission keeps it
+    # within kv_token_budget (a row alone may exceed it). 0 when idle.
+    kv_tokens_reserved: int
     kv_cache_slots: int  # rows x columns of the cache as allocated now (padding included)

@@ -51,14 +51,21 @@ class Row:
     row_budget: int
     output: Any = None  # generation rows: their link back to the request (streaming, cancellation)
     deadline: Optional[float] = None  # time.time() after which its caller no longer waits
+    # Generation rows: how many of ``tokens`` are generated after the input (max_tokens).
+    # generate() left-pads inputs to the longest one and then appends the largest
+    # max_tokens, so the planner charges a sub-batch max(input) + max(new) per row.
+    new_tokens: int = 0
 
 
 def new_row(payload: Any, tokens: int, batching: BatchingKnobs, *, group: Any = None,
-            deadline: Optional[float] = None, output: Any = None) -> Row:
-    """A row queued now, under the budgets of ``batching``."""
+            deadline: Optional[float] = None, output: Any = None, new_tokens: int = 0) -> Row:
+    """A row queued now, under the budgets of ``batching``. ``tokens`` counts all of
+    the row (input and ``new_tokens``)."""
+    if not 0 <= new_tokens <= tokens:
+        raise ValueError(f"new_tokens={new_tokens} must be between 0 and the row's tokens ({tokens})")
     return Row(payload=payload, tokens=tokens, group=group, enqueued_at=time.monotonic(),
                token_budget=batching.max_batch_tokens, row_budget=batching.max_batch_size,
-               output=output, deadline=deadline)
+               output=output, deadline=deadline, new_tokens=new_tokens)
 
 
 def expired(row: Row) -> Optional[BaseException]:
@@ -103,16 +110,27 @@ class BatchReport:
         return sum(group_plan.padded_tokens for group_plan in self.plans)
 
 
-def plan(lengths: list[int], batching: BatchingKnobs) -> BatchPlan:
-    """The sub-batches for rows of these lengths under ``batching``."""
+def plan(lengths: list[int], batching: BatchingKnobs, new_tokens: Optional[list[int]] = None) -> BatchPlan:
+    """The sub-batches for rows of these (input) lengths under ``batching``;
+    ``new_tokens``: what generation rows generate after their input (see
+    :func:`~serve_app.core.batching.plan_batches`)."""
     if not batching.length_sorting:
-        return arrival_order_plan(lengths, max_batch_tokens=batching.max_batch_tokens, max_rows=batching.max_batch_size)
+        return arrival_order_plan(lengths, max_batch_tokens=batching.max_batch_tokens, max_rows=batching.max_batch_size,
+                                  new_tokens=new_tokens)
     return plan_batches(
         lengths,
         max_batch_tokens=batching.max_batch_tokens,
         max_rows=batching.max_batch_size,
         sub_batch_overhead_tokens=batching.sub_batch_overhead_tokens,
+        new_tokens=new_tokens,
     )
+
+
+def plan_rows(rows: Sequence[Row], batching: BatchingKnobs) -> BatchPlan:
+    """The sub-batches for these rows (one group), charged as the model call pads them."""
+    if not any(row.new_tokens for row in rows):
+        return plan([row.tokens for row in rows], batching)
+    return plan([row.tokens - row.new_tokens for row in rows], batching, [row.new_tokens for row in rows])
 
 
 def run_static_batch(
@@ -136,7 +154,7 @@ def run_static_batch(
         groups.setdefault(row.group, []).append(index)
     for indices in groups.values():
         group_rows = [rows[i] for i in indices]
-        group_plan = plan([row.tokens for row in group_rows], batching)
+        group_plan = plan_rows(group_rows, batching)
         plans.append(group_plan)
         outputs = []
         for sub_batch in group_plan.sub_batches:

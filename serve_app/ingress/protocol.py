@@ -12,13 +12,14 @@ window) is the replica's to check.
 import base64
 import binascii
 import dataclasses
+import io
 import json
 import time
 import uuid
 from typing import Any, Literal, Optional, Union
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from serve_app.config import ModelConfig
 from serve_app.core.calls import (
@@ -37,8 +38,33 @@ from serve_app.core.errors import InvalidRequestError
 
 # ---- request bodies (OpenAI's field names and ranges) ----------------------------
 
+# What torch's generators (ours and vLLM's) accept as a seed; a larger one overflowed
+# there, a 500 after the request was queued.
+_SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
+# Declared pixels (width x height, read from the headers before anything is decoded)
+# of all the images of one classify request together. Each image is also capped on
+# its own at the replica (core.models.encoders.MAX_IMAGE_PIXELS).
+MAX_REQUEST_IMAGE_PIXELS = 64_000_000
+# What PIL may open: anything else is refused before a decoder for it ever runs.
+# (Its JPEG opener also opens MPO, the JPEG variant many phone cameras write.)
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")
 
-class _Body(BaseModel):
+
+class _Request(BaseModel):
+    """A request object in which an explicit ``null`` means "not given": OpenAI accepts
+    it for every optional field and clients send it (``"temperature": null``), so null
+    fields are dropped before validation and take their defaults. A required field
+    sent as null is reported as missing."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_absent(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {key: value for key, value in data.items() if value is not None}
+        return data
+
+
+class _Body(_Request):
     # Unknown OpenAI fields are ignored as OpenAI's own server ignores them, but the
     # ones that would change the answer and that we do not implement are refused below.
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
@@ -53,21 +79,72 @@ class EmbeddingBody(_Body):
     dimensions: Optional[int] = Field(None, ge=1)
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(_Request):
     model_config = ConfigDict(extra="ignore")
     include_usage: bool = False
 
 
+# Fields of other OpenAI-compatible servers (vLLM's sampling extensions) that change
+# the answer and that we do not implement, with the values that change nothing (and
+# are accepted). Any other value is a 400 naming the field rather than an answer that
+# silently ignores it.
+_UNSUPPORTED_EXTENSIONS: dict[str, tuple] = {
+    "top_k": (-1, 0), "min_p": (0,), "repetition_penalty": (1,), "length_penalty": (1,),
+    "min_tokens": (0,), "ignore_eos": (False,), "stop_token_ids": ([],), "bad_words": ([],),
+    "allowed_token_ids": (), "use_beam_search": (False,), "prompt_logprobs": (),
+    "include_stop_str_in_output": (False,), "truncate_prompt_tokens": (),
+    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
+    "structured_outputs": (), "logits_processors": (), "vllm_xargs": (),
+    "chat_template": (), "chat_template_kwargs": ({},), "add_generation_prompt": (True,),
+    "continue_final_message": (False,), "echo": (False,),  # chat's echo (completions declare theirs)
+    # OpenAI fields for what these models cannot do at all.
+    "audio": (), "modalities": (["text"],), "reasoning_effort": (), "verbosity": (), "web_search_options": (),
+}
+# Ignored because they cannot change the answer: user, metadata, store, service_tier,
+# prediction (a latency hint), parallel_tool_calls (tools are refused), safety_identifier,
+# prompt_cache_key, and any field not named anywhere here.
+
+
+def _token_id(key: str) -> int:
+    if not (key.isascii() and key.isdigit()):  # isdigit alone also takes "１" and "²"
+        raise ValueError(f"logit_bias keys are token ids (non-negative integers as strings), got {key!r}")
+    return int(key)
+
+
 class SamplingBody(_Body):
+    # Extra fields are kept (not ignored) only so that the ones that would change the
+    # answer (_UNSUPPORTED_EXTENSIONS) can be refused by name; the rest are never read.
+    model_config = ConfigDict(extra="allow")
+
     max_tokens: Optional[int] = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     n: int = Field(1, ge=1)
     stop: Optional[Union[str, list[str]]] = None
-    seed: Optional[int] = None
+    seed: Optional[int] = Field(None, ge=_SEED_MIN, le=_SEED_MAX)
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     logprobs: Optional[Union[bool, int]] = None
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    # Token id (as a string, JSON keys are strings) -> bias added to its logit.
+    logit_bias: Optional[dict[str, float]] = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias_in_range(cls, value: Optional[dict[str, float]]) -> Optional[dict[str, float]]:
+        for key, bias in (value or {}).items():
+            _token_id(key)
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values must be between -100 and 100, got {bias} for token {key}")
+        return value
+
+    def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        """The bias as sorted (token id, bias) pairs: hashable, and one order for the cache key."""
+        pairs: dict[int, float] = {}
+        for key, bias in (self.logit_bias or {}).items():
+            pairs[_token_id(key)] = float(bias)  # "007" and "7" are one token
+        return tuple(sorted(pairs.items()))
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -85,26 +162,34 @@ class SamplingBody(_Body):
 class CompletionBody(SamplingBody):
     prompt: Union[str, list[str]]
     echo: bool = False
+    suffix: Optional[str] = None
+    best_of: Optional[int] = Field(None, ge=1)
 
 
-class _TextPart(BaseModel):
+class _TextPart(_Request):
     model_config = ConfigDict(extra="forbid")
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(_Request):
     model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Union[str, list[_TextPart]]
+    # "tool" and "function" (tool results) parse so that chat_call can refuse them by name.
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    # None: an assistant turn without text (OpenAI's tool-call turns send content: null).
+    content: Optional[Union[str, list[_TextPart]]] = None
+    tool_calls: Optional[list[dict]] = None
+    function_call: Optional[dict] = None
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
 
 
-class JSONSchemaFormat(BaseModel):
+class JSONSchemaFormat(_Request):
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
     name: str = "response"
     # "schema" shadows a BaseModel attribute, hence the alias.
@@ -112,7 +197,7 @@ class JSONSchemaFormat(BaseModel):
     strict: Optional[bool] = None
 
 
-class ResponseFormatBody(BaseModel):
+class ResponseFormatBody(_Request):
     model_config = ConfigDict(extra="forbid")
     type: Literal["text", "json_object", "json_schema"]
     json_schema: Optional[JSONSchemaFormat] = None
@@ -126,6 +211,9 @@ class ChatCompletionBody(SamplingBody):
     response_format: Optional[ResponseFormatBody] = None
     tools: Optional[list[dict]] = None
     tool_choice: Optional[Union[str, dict]] = None
+    # OpenAI's deprecated form of tools; refused like them.
+    functions: Optional[list[dict]] = None
+    function_call: Optional[Union[str, dict]] = None
 
     def requested_max_tokens(self) -> Optional[int]:
         return self.max_completion_tokens or self.max_tokens
@@ -180,6 +268,37 @@ def _decode_image(data: str, param: str) -> bytes:
     return raw
 
 
+def _declared_pixels(raw: bytes, param: str) -> int:
+    """Width x height from the image's header; nothing is decoded (PIL opens lazily).
+    0 for bytes that are no PNG, JPEG or WebP header: the replica, which opens images
+    with the same formats only, refuses those with the reason."""
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(raw), formats=IMAGE_FORMATS) as img:
+            width, height = img.size
+    except Image.DecompressionBombError:  # PIL's own limit, far above ours
+        raise InvalidRequestError("image is too large; send a smaller image", param=param) from None
+    except Exception:  # PIL raises many types for bytes that are not an image it may open
+        return 0
+    return width * height
+
+
+def _check_image_pixels(images: list[bytes]) -> None:
+    """Every image of a request decodes on the replica; their declared sizes together
+    bound that work before any of it is done (a 160 KB PNG can declare 7000x7000)."""
+    params = ["image"] if len(images) == 1 else [f"image[{i}]" for i in range(len(images))]
+    total = 0
+    for raw, param in zip(images, params):
+        total += _declared_pixels(raw, param)
+        if total > MAX_REQUEST_IMAGE_PIXELS:
+            raise InvalidRequestError(
+                f"the images of this request have more than {MAX_REQUEST_IMAGE_PIXELS} pixels together "
+                f"(width x height, summed; exceeded at {param}); send fewer or smaller images",
+                param=param,
+            )
+
+
 def embed_call(body: EmbeddingBody, model: ModelConfig) -> EmbedCall:
     if body.dimensions is not None:
         raise InvalidRequestError("'dimensions' is not supported; omit it for the model's full size", param="dimensions")
@@ -191,14 +310,28 @@ def classify_call(body: ClassifyBody, model: ModelConfig) -> ClassifyCall:
         inputs = {"texts": tuple(_as_list(body.input, "input", model.max_inputs_per_request))}
     else:
         encoded = _as_list(body.image, "image", model.max_inputs_per_request)
-        inputs = {"images": tuple(_decode_image(e, "image" if len(encoded) == 1 else f"image[{i}]")
-                                  for i, e in enumerate(encoded))}
+        images = [_decode_image(e, "image" if len(encoded) == 1 else f"image[{i}]") for i, e in enumerate(encoded)]
+        _check_image_pixels(images)
+        inputs = {"images": tuple(images)}
     if body.top_k > model.top_k_limit:
         raise InvalidRequestError(f"top_k is {body.top_k}; at most {model.top_k_limit} allowed", param="top_k")
     return ClassifyCall(top_k=body.top_k, **inputs)
 
 
+def _refuse_unsupported(body: SamplingBody) -> None:
+    """A 400 naming the first extension field that would change the answer (see
+    _UNSUPPORTED_EXTENSIONS); nulls were already dropped as absent."""
+    for field, value in (body.model_extra or {}).items():
+        harmless = _UNSUPPORTED_EXTENSIONS.get(field)
+        # isinstance(.., bool) apart: True == 1, but "repetition_penalty": true is no default.
+        if harmless is not None and not any(
+                value == ok and isinstance(value, bool) == isinstance(ok, bool) for ok in harmless):
+            raise InvalidRequestError(f"'{field}' is not supported by this server; send the request without it",
+                                      param=field)
+
+
 def _generate_call(body: SamplingBody, model: ModelConfig, **inputs: Any) -> GenerateCall:
+    _refuse_unsupported(body)
     limits = model.generation
     if body.stream_options is not None and not body.stream:
         raise InvalidRequestError("stream_options is only allowed with stream=true", param="stream_options")
@@ -217,7 +350,9 @@ def _generate_call(body: SamplingBody, model: ModelConfig, **inputs: Any) -> Gen
         )
     if any(not s for s in stop):
         raise InvalidRequestError("stop sequences must not be empty strings", param="stop")
-    sampling = SamplingParams(temperature=body.temperature, top_p=body.top_p, seed=body.seed)
+    sampling = SamplingParams(temperature=body.temperature, top_p=body.top_p, seed=body.seed,
+                              frequency_penalty=body.frequency_penalty, presence_penalty=body.presence_penalty,
+                              logit_bias=body.logit_bias_pairs())
     return GenerateCall(max_tokens=max_tokens, sampling=sampling, stop=tuple(stop), n=body.n, **inputs)
 
 
@@ -234,6 +369,10 @@ def _logprobs(top: Optional[int], model: ModelConfig, param: str) -> Optional[in
 def completion_call(body: CompletionBody, model: ModelConfig) -> GenerateCall:
     if body.echo:
         raise InvalidRequestError("echo is not supported", param="echo")
+    if body.suffix:  # insertion: text after the completion changes what it says
+        raise InvalidRequestError("suffix is not supported; send the request without it", param="suffix")
+    if body.best_of is not None and body.best_of != body.n:  # best_of == n: every sample is returned
+        raise InvalidRequestError("best_of is not supported; use n for several completions", param="best_of")
     prompts = _as_list(body.prompt, "prompt", model.max_inputs_per_request)
     if isinstance(body.logprobs, bool):  # the legacy field is a count; true would read as 1
         raise InvalidRequestError("logprobs is a number of alternatives per token (0-5) on /v1/completions",
@@ -244,9 +383,33 @@ def completion_call(body: CompletionBody, model: ModelConfig) -> GenerateCall:
     return dataclasses.replace(call, logprobs=_logprobs(body.logprobs, model, "logprobs"))
 
 
+def _check_message(message: ChatMessage, index: int) -> None:
+    """Turns that only a tool-calling conversation has are refused by name (tools are),
+    rather than dropped from the prompt, which would change the answer."""
+    if message.role in ("tool", "function"):
+        raise InvalidRequestError(f"'{message.role}' messages (tool results) are not supported yet",
+                                  param=f"messages.{index}.role")
+    for field in ("tool_calls", "function_call"):
+        if getattr(message, field):
+            raise InvalidRequestError(f"assistant {field} in the conversation are not supported yet",
+                                      param=f"messages.{index}.{field}")
+    if message.content is None and message.role != "assistant":
+        raise InvalidRequestError(f"a {message.role} message needs content", param=f"messages.{index}.content")
+
+
 def chat_call(body: ChatCompletionBody, model: ModelConfig) -> GenerateCall:
     if not body.messages:
         raise InvalidRequestError("'messages' must not be empty", param="messages")
+    for index, message in enumerate(body.messages):
+        _check_message(message, index)
+    if body.functions:
+        raise InvalidRequestError("function calls are not supported yet; send the request without 'functions'",
+                                  param="functions")
+    # Without tools "none" and "auto" ask nothing; anything else asks for a call we cannot make.
+    if not body.tools and body.tool_choice not in (None, "none", "auto"):
+        raise InvalidRequestError("tool_choice needs tools, which are not supported yet", param="tool_choice")
+    if body.function_call not in (None, "none", "auto"):
+        raise InvalidRequestError("function_call is not supported yet", param="function_call")
     turns = tuple(ChatTurn("system" if m.role == "developer" else m.role, m.text()) for m in body.messages)
     if body.top_logprobs is not None and not body.logprobs:
         raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")

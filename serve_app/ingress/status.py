@@ -24,6 +24,8 @@ logger = logging.getLogger("ray.serve")
 
 # How stale the controller's view of the model deployments may be in /healthz and stats.
 _STATES_MAX_AGE_S = 5.0
+# Deployment statuses in which a model may not serve.
+_FAILING = ("DEPLOY_FAILED", "UNHEALTHY")
 
 
 class ServiceStatus:
@@ -36,11 +38,16 @@ class ServiceStatus:
     async def health(self) -> dict:
         """"ok" while this router serves. A model whose deployment cannot serve (it
         failed to load, or has no healthy replica) makes the status "degraded" and is
-        listed with Serve's reason; the other models keep serving, so a load balancer
-        should not pull this ingress for it."""
+        listed with its deployment status; the other models keep serving, so a load
+        balancer should not pull this ingress for it.
+
+        /healthz is public (no API key), so it says no more than that: Serve's message
+        (a load error's text, with file paths and tracebacks) is logged when it changes
+        and shown on the admin-only /v1/stats."""
         unavailable = {
-            name: state for name, state in (await self.deployment_states()).items()
-            if state["status"] in ("DEPLOY_FAILED", "UNHEALTHY") and not state["running"]
+            name: {"status": state["status"], "running": state["running"]}
+            for name, state in (await self.deployment_states()).items()
+            if state["status"] in _FAILING and not state["running"]
         }
         body: dict[str, Any] = {"status": "degraded" if unavailable else "ok", "models": sorted(self.models)}
         if unavailable:
@@ -72,6 +79,9 @@ class ServiceStatus:
                     "p95_queue_wait_s": batching.get("p95_queue_wait_s"),
                     "replicas": state["running"] if state else None,
                 },
+                # Serve's own words (why a deployment failed): for operators only, as
+                # /v1/stats needs an admin key when auth is on; /healthz never shows them.
+                "deployment": {"status": state["status"], "message": state["message"]} if state else None,
                 **snapshot,
             }
         return {
@@ -104,5 +114,11 @@ class ServiceStatus:
                     "running": deployment.replica_states.get("RUNNING", 0),
                     "message": deployment.message,
                 }
+                previous = cached.get(name)
+                if deployment.message and (previous is None or previous["message"] != deployment.message):
+                    # Once per change, not per health check: the details /healthz leaves out.
+                    failing = states[name]["status"] in _FAILING
+                    logger.log(logging.WARNING if failing else logging.INFO, "model %s deployment is %s: %s",
+                               name, states[name]["status"], deployment.message)
         self._states = (states, now)
         return states

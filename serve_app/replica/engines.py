@@ -27,10 +27,10 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Protocol, 
 from serve_app.config import BatchingConfig
 from serve_app.core.calls import Completion, GenerateCall, GenerateResult, StreamDelta, StreamEnd, StreamEvent
 from serve_app.core.continuous import ContinuousBatcher
-from serve_app.core.errors import ContextLengthExceededError, InvalidRequestError
+from serve_app.core.errors import ContextLengthExceededError, DeadlineExceededError, InvalidRequestError, ServeAppError
 from serve_app.core.models import GenerationRequest, GenerationResult, GenerationRuntime
 from serve_app.core.static_batch import Row, new_row
-from serve_app.replica.inputs import encode_each
+from serve_app.replica.inputs import encode_each, in_tokenizer_thread
 from serve_app.replica.stats import ReplicaObserver, RowTiming
 
 logger = logging.getLogger("ray.serve")
@@ -81,6 +81,7 @@ class RowOutput:
         self.loop = loop
         self.deltas = deltas  # None: the request does not stream
         self.cancelled = False
+        self.deadline_passed = False  # the replica's deadline timer ended it (continuous engine)
         self.first_token_at: Optional[float] = None  # time.monotonic()
         self.started_at: Optional[float] = None  # its model call began (static engine)
         self.engine_handle: Any = None  # continuous engine's RowHandle
@@ -118,6 +119,10 @@ def refuse_what_only_vllm_does(call: GenerateCall, engine: str) -> None:
         ("n", call.n != 1, f"n={call.n}"),
         ("logprobs", call.logprobs is not None, "logprobs"),
         ("response_format", response_format is not None, f"response_format {response_format}"),
+        # 0 and {} are the defaults, which change nothing: accepted.
+        ("frequency_penalty", call.sampling.frequency_penalty != 0, "frequency_penalty"),
+        ("presence_penalty", call.sampling.presence_penalty != 0, "presence_penalty"),
+        ("logit_bias", bool(call.sampling.logit_bias), "logit_bias"),
     )
     for field, asked, what in refused:
         if asked:
@@ -148,6 +153,11 @@ def prompt_ids(runtime: GenerationRuntime, call: GenerateCall) -> list[list[int]
     return rows
 
 
+async def encode_rows(runtime: GenerationRuntime, call: GenerateCall) -> list[list[int]]:
+    """:func:`prompt_ids` in the replica's tokenizer thread, off the event loop."""
+    return await in_tokenizer_thread(prompt_ids, runtime, call)
+
+
 class _TransformersEngine:
     """What both engines over a :class:`GenerationRuntime` share: encoding the call
     into rows, streaming, cancellation and the generation observations. Subclasses
@@ -163,7 +173,7 @@ class _TransformersEngine:
     # ---- the protocol -----------------------------------------------------------
 
     async def generate(self, call: GenerateCall) -> GenerateResult:
-        results = await self._execute(self._rows(call, deltas=None))
+        results = await self._execute(await self._rows(call, deltas=None))
         return GenerateResult(completions=[
             Completion(text=r.text, finish_reason=r.finish_reason, prompt_tokens=r.prompt_tokens,
                        completion_tokens=r.completion_tokens)
@@ -174,7 +184,8 @@ class _TransformersEngine:
         # The rows are batched like any others; a caller that goes away (Serve cancels
         # this generator) ends them at the next step.
         deltas: asyncio.Queue = asyncio.Queue()
-        results = asyncio.ensure_future(self._execute(self._rows(call, deltas=deltas)))
+        results = asyncio.ensure_future(self._execute(await self._rows(call, deltas=deltas)))
+        delta: Optional[asyncio.Future] = None
         try:
             while not results.done():
                 delta = asyncio.ensure_future(deltas.get())
@@ -193,8 +204,13 @@ class _TransformersEngine:
                 yield StreamEnd(index=index, finish_reason=result.finish_reason,
                                 prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens)
         finally:
-            if not results.done():
-                results.cancel()
+            # A consumer that goes away leaves us waiting on both tasks: cancel them and
+            # wait for them to end, so no deltas.get() stays pending on a dead queue.
+            pending = [task for task in (delta, results) if task is not None and not task.done()]
+            for task in pending:
+                task.cancel()
+            if pending:
+                await asyncio.wait(pending)
 
     def retune(self, batching: BatchingConfig) -> None:
         self.batching = batching
@@ -207,14 +223,17 @@ class _TransformersEngine:
 
     # ---- shared machinery ----------------------------------------------------------
 
-    def _rows(self, call: GenerateCall, deltas: Optional[asyncio.Queue]) -> list[Row]:
+    async def _rows(self, call: GenerateCall, deltas: Optional[asyncio.Queue]) -> list[Row]:
         refuse_what_only_vllm_does(call, self.kind)
+        encoded = await encode_rows(self.runtime, call)
         loop = asyncio.get_running_loop()
         return [
+            # new_tokens: generate() pads prompts to the longest one and then appends the
+            # largest max_tokens, which is what the static planner must charge.
             new_row(GenerationRequest(prompt_ids=ids, max_tokens=call.max_tokens, stop=tuple(call.stop)),
                     len(ids) + call.max_tokens, self.batching, group=call.sampling, deadline=call.deadline,
-                    output=RowOutput(index, loop, deltas))
-            for index, ids in enumerate(prompt_ids(self.runtime, call))
+                    output=RowOutput(index, loop, deltas), new_tokens=call.max_tokens)
+            for index, ids in enumerate(encoded)
         ]
 
     async def _execute(self, rows: list[Row]) -> list[GenerationResult]:
@@ -229,6 +248,17 @@ class _TransformersEngine:
                 row.output.cancelled = True
             self._cancel(rows)
             raise
+        for row, result in zip(rows, results):
+            if result.finish_reason == "cancelled":
+                # Its caller is still here, so the engine ended it on its own: the
+                # deadline timer (wall clock, which may fire before the router's
+                # monotonic one) or a failed delivery. Such a row's text is cut short;
+                # it must never be answered, or cached, as a completion.
+                self.observer.cancelled(len(rows))
+                for other in rows:
+                    other.output.cancelled = True
+                self._cancel(rows)
+                raise _cut_short(row)
         self.observer.generation(self._timing(row, result) for row, result in zip(rows, results))
         return results
 
@@ -241,6 +271,13 @@ class _TransformersEngine:
     def _timing(self, row: Row, result: GenerationResult) -> RowTiming:
         return RowTiming(enqueued_at=row.enqueued_at, completion_tokens=result.completion_tokens,
                          first_token_at=row.output.first_token_at)
+
+
+def _cut_short(row: Row) -> ServeAppError:
+    """The error for a generation row the engine ended early while its caller waited."""
+    if row.output.deadline_passed or (row.deadline is not None and time.time() >= row.deadline):
+        return DeadlineExceededError("the request's deadline passed while the model generated", code="timeout")
+    return ServeAppError("generation ended before the row finished: its output could not be delivered")
 
 
 def static_generate(runtime: GenerationRuntime, rows: Sequence[Row]) -> list[GenerationResult]:
@@ -309,13 +346,18 @@ class ContinuousEngine(_TransformersEngine):
                 row.output.engine_handle = self.batcher.submit(row.payload, row.group, row.output)
                 if row.deadline is not None:  # ends the row, waiting or running, when its caller gives up
                     deadline_timers.append(loop.call_later(
-                        max(0.0, row.deadline - time.time()), self.batcher.cancel, row.output.engine_handle))
+                        max(0.0, row.deadline - time.time()), self._deadline_passed, row))
             return list(await asyncio.gather(*(row.output.outcome for row in rows)))
         finally:
             # Ended either way: drop the timers rather than hold them for the whole
             # request timeout (one per row; thousands under load).
             for timer in deadline_timers:
                 timer.cancel()
+
+    def _deadline_passed(self, row: Row) -> None:
+        # Marked first: the row's "cancelled" result then surfaces as a 504 (_execute).
+        row.output.deadline_passed = True
+        self.batcher.cancel(row.output.engine_handle)
 
     def _cancel(self, rows: list[Row]) -> None:
         for row in rows:

@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 from typing import Any, Callable, Sequence
 
 from serve_app.core.errors import InvalidRequestError
+
+# One thread per replica process tokenises: a Rust tokenizer must not be used from two
+# threads at once ("Already borrowed"), and a text as large as the router's body limit
+# takes seconds to tokenise, which on the event loop would stall every other request
+# and stream of the replica (the context check can only refuse it afterwards).
+_TOKENIZER_THREAD = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+
+
+async def in_tokenizer_thread(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` in the replica's tokenizer thread, off the event loop."""
+    return await asyncio.get_running_loop().run_in_executor(_TOKENIZER_THREAD, fn, *args)
 
 
 def encode_each(fn: Callable[[Any], Any], values: Sequence[Any], field: str) -> list[Any]:

@@ -24,7 +24,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
+import hashlib
+import json
 import logging
 import time
 from typing import Any, AsyncIterator, Callable, Optional, Sequence
@@ -53,12 +56,18 @@ from serve_app.core.models.sources import model_revision, resolve_source
 from serve_app.core.static_batch import Row, batch_cost, expired, new_row, run_static_batch
 from serve_app.metrics import BatchMetrics
 from serve_app.replica.engines import make_engine, static_generate
-from serve_app.replica.inputs import encode_each
+from serve_app.replica.inputs import encode_each, in_tokenizer_thread
 from serve_app.replica.stats import ReplicaObserver
 # vllm_engine imports vLLM itself only when a model starts on it.
 from serve_app.replica.vllm_engine import VLLMEmbedder, VLLMEngine, VLLMRuntime, start_vllm, vllm_unavailable
 
 logger = logging.getLogger("ray.serve")
+
+# Part of every revision this replica reports. Bump it when a code change alters what an
+# engine answers for the same weights, config and input (2: the continuous engine applies
+# the model's generation_config, issue 16), so cached answers of the old code are never
+# served as the new code's.
+ANSWERS_VERSION = 2
 
 # What each call type asks of the model, as a wrong_task error names it.
 _OPERATIONS = {
@@ -136,6 +145,9 @@ class ModelServer:
                 "image-classification": lambda: self._serve_classification("classify_images", self._classify_images),
                 "text-generation": self._serve_generation,
             }[self.runtime.task]()
+        # After the engine is chosen: the revision names the engine too (see answer_revision).
+        self.revision = answer_revision(self.config, self.runtime, self.engine.kind)
+        self.loaded_at = time.time()
         self._apply_batching(self.batching)
 
     def _wants_vllm(self) -> bool:
@@ -293,8 +305,12 @@ class ModelServer:
     async def infer(self, call: ModelCall) -> ModelResult:
         """The call's result (``call.result_type``). ``call.deadline`` (time.time()
         seconds): past it, a row still waiting for the model is dropped with a 504
-        instead of being computed for nobody."""
-        return await self._handler(call)(call)
+        instead of being computed for nobody. The result carries this replica's revision:
+        the router writes it to the cache under that revision, whatever it read under."""
+        result = await self._handler(call)(call)
+        if dataclasses.is_dataclass(result) and hasattr(result, "revision"):
+            result = dataclasses.replace(result, revision=self.revision)
+        return result
 
     async def infer_stream(self, call: GenerateCall) -> AsyncIterator[StreamEvent]:
         """A generation, streamed: :class:`StreamDelta` events as rows produce text,
@@ -316,13 +332,14 @@ class ModelServer:
         return ModelInfo(
             name=self.config.name,
             task=runtime.task,
-            revision=runtime.revision,
+            revision=self.revision,
             max_input_tokens=runtime.max_input_tokens,
             device=str(runtime.device),
             dtype=str(runtime.dtype).replace("torch.", ""),
             quantization=self.config.quantization,
             labels=tuple(getattr(runtime, "labels", None) or ()),
             engine=self.engine.kind,
+            loaded_at=self.loaded_at,
         )
 
     async def get_stats(self) -> dict:
@@ -343,16 +360,44 @@ class ModelServer:
         return ClassifyResult(rankings=[r[:call.top_k] for r in ranked], prompt_tokens=prompt_tokens)
 
     async def _classify_images(self, call: ClassifyCall) -> ClassifyResult:
-        pixels = encode_each(self.runtime.decode, call.images, "image")
+        # Decoding and resizing take up to seconds per image: off the event loop, which
+        # keeps serving the replica's other requests meanwhile.
+        pixels = await asyncio.to_thread(encode_each, self.runtime.decode, call.images, "image")
         # Every image is resized to the same shape, so each row costs the same.
         ranked = await self._submit([new_row(p, 1, self.batching, deadline=call.deadline) for p in pixels])
         return ClassifyResult(rankings=[r[:call.top_k] for r in ranked], prompt_tokens=0)
 
     async def _submit_texts(self, texts: Sequence[str], deadline: Optional[float]) -> tuple[list[Any], int]:
         """One row per text, tokenized; the outputs and the prompt tokens."""
-        token_rows = encode_each(self.runtime.tokenize, texts, "input")
+        # Off the event loop: a body of megabytes of text takes long to tokenize, and
+        # only then can its length be checked against the context.
+        token_rows = await in_tokenizer_thread(encode_each, self.runtime.tokenize, texts, "input")
         outputs = await self._submit([new_row(ids, len(ids), self.batching, deadline=deadline) for ids in token_rows])
         return outputs, sum(len(ids) for ids in token_rows)
+
+
+def answer_revision(config: ModelConfig, runtime: Any, engine_kind: Optional[str]) -> str:
+    """The revision this replica's answers are cached under: ``models[].cache.revision``
+    when the config pins one, else the weights' revision (``runtime.revision``: files,
+    precision, quantization) extended with everything else that changes an answer: the
+    engine (static, continuous and vLLM answer differently for the same weights), the
+    device type (CPU and GPU kernels round differently), vLLM's own options that change
+    numerics (engine_args such as quantization or kv_cache_dtype, tensor parallelism,
+    CUDA graphs), and :data:`ANSWERS_VERSION`. Two replicas that could answer one request
+    differently never report the same revision, so they never share cache keys."""
+    if config.cache.revision:
+        return config.cache.revision
+    answers: dict[str, Any] = {
+        "answers": ANSWERS_VERSION,
+        "engine": engine_kind,
+        "device": str(runtime.device).split(":")[0],  # the type: cuda:0 and cuda:1 answer alike
+    }
+    if isinstance(runtime, VLLMRuntime):
+        vllm = config.vllm
+        answers["vllm"] = {"engine_args": vllm.engine_args, "tensor_parallel_size": vllm.tensor_parallel_size,
+                           "enforce_eager": vllm.enforce_eager}
+    digest = hashlib.sha256(json.dumps(answers, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    return f"{runtime.revision}-{engine_kind or 'encoder'}-{digest}"
 
 
 def _no_static_batches(rows: list[Row]) -> list[Any]:

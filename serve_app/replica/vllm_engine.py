@@ -47,9 +47,11 @@ from serve_app.core.calls import (
 from serve_app.core.errors import (
     ContextLengthExceededError,
     DeadlineExceededError,
+    InvalidRequestError,
     ModelUnavailableError,
 )
-from serve_app.replica.engines import prompt_ids, refuse_tool_calls
+from serve_app.core.models.generation import encode_chat_template
+from serve_app.replica.engines import encode_rows, refuse_tool_calls
 from serve_app.replica.inputs import encode_each
 from serve_app.replica.stats import ReplicaObserver, RowTiming
 
@@ -110,8 +112,9 @@ class VLLMRuntime:
     encode_prompt = tokenize
 
     def encode_chat(self, chat: list[dict]) -> list[int]:
-        return list(self.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True,
-                                                       return_dict=False))
+        # Shared with the transformers engines: control tokens spelled in a message's
+        # content are text, never the template's markup (no forged system turns).
+        return encode_chat_template(self.tokenizer, chat)
 
     async def check_health(self) -> None:
         """Raises once the engine core died (a kernel error, out of memory), so Serve
@@ -344,11 +347,24 @@ class VLLMEngine:
             else:
                 structured = StructuredOutputsParams(json_object=True)
         sampling = call.sampling
+        logit_bias = dict(sampling.logit_bias) or None
+        if logit_bias:
+            # vLLM refuses an id outside the vocabulary only once the request is queued,
+            # which would read as an engine failure: a 400 naming the field instead.
+            tokenizer = self.runtime.tokenizer
+            vocabulary = len(tokenizer) if hasattr(tokenizer, "__len__") else None
+            unknown = [token for token in logit_bias if vocabulary is not None and token >= vocabulary]
+            if unknown:
+                raise InvalidRequestError(f"logit_bias names token id {unknown[0]}, but the model's vocabulary "
+                                          f"has {vocabulary} tokens", param="logit_bias")
         return SamplingParams(
             n=call.n,
             temperature=0.0 if sampling.greedy else sampling.temperature,
             top_p=sampling.top_p,
             seed=sampling.seed,
+            frequency_penalty=sampling.frequency_penalty,
+            presence_penalty=sampling.presence_penalty,
+            logit_bias=logit_bias,
             max_tokens=call.max_tokens,
             stop=list(call.stop) or None,
             logprobs=call.logprobs,
@@ -360,7 +376,7 @@ class VLLMEngine:
         """Run every prompt of the call, filling ``state`` and yielding each new piece of
         text. The choice index is OpenAI's: prompt-major, ``n`` per prompt."""
         refuse_tool_calls(call)
-        rows = prompt_ids(self.runtime, call)
+        rows = await encode_rows(self.runtime, call)
         sampling = self._sampling(call)
         enqueued = time.monotonic()
         self.observer.request(rows_outside_batches=len(rows) * call.n)

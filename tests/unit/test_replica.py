@@ -109,9 +109,12 @@ def test_failing_sub_batch_fails_the_call_with_its_error():
 def test_info_and_reconfigure():
     ms = server(FakeEncoder("text-classification"))
     info = run(ms.info())
-    assert info == ModelInfo(name="fake", task="text-classification", revision="rev-1", max_input_tokens=16,
+    # The revision names more than the weights (issue 16: engine, device; see
+    # test_cache_keys_and_revisions.py), and loaded_at is when the replica loaded.
+    assert info.revision.startswith("rev-1-encoder-") and info.loaded_at <= time.time()
+    assert info == ModelInfo(name="fake", task="text-classification", revision=info.revision, max_input_tokens=16,
                              device="cpu", dtype="float32", quantization="none",
-                             labels=("negative", "positive", "neutral"), engine=None)
+                             labels=("negative", "positive", "neutral"), engine=None, loaded_at=info.loaded_at)
     ms.reconfigure({"max_batch_size": 2})
     assert ms.batching.max_batch_size == 2 and ms.batching.max_batch_tokens == ms.config.batching.max_batch_tokens
     run(ms.infer(ClassifyCall(texts=("a", "b", "c"))))

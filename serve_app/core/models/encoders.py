@@ -15,6 +15,10 @@ from serve_app.core.models.base import TaskRuntime, _TextRuntime
 
 #: Largest image (width x height) that :meth:`ImageClassificationRuntime.decode` accepts.
 MAX_IMAGE_PIXELS = 50_000_000
+#: The formats PIL may open. Limiting them keeps every other decoder (and its bugs)
+#: away from request bytes. PIL's JPEG opener also opens MPO, the JPEG variant many
+#: phone cameras write (its format then reads "MPO").
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")
 
 
 def _labels(config: Any) -> list[str]:
@@ -43,6 +47,23 @@ def _rank_labels(logits: torch.Tensor, labels: list[str], top_k: int, *, multi_l
     logits = logits.float()
     probs = torch.sigmoid(logits) if multi_label else torch.softmax(logits, dim=-1)
     return _topk_rows(probs, labels, top_k)
+
+
+def _draft_side(processor: Any) -> int | None:
+    """The largest side the processor resizes or crops to, or None when it says none:
+    a JPEG decoded at 1/2, 1/4 or 1/8 scale (PIL's draft mode, done by the JPEG decoder
+    itself, many times faster) still has at least this many pixels on either side."""
+    sides: list[int] = []
+    for attr in ("size", "crop_size"):
+        value = getattr(processor, attr, None)
+        if isinstance(value, int):
+            sides.append(value)
+            continue
+        # A dict, or transformers' SizeDict (a dataclass); only sides count (min_pixels is an area).
+        fields = value if isinstance(value, dict) else getattr(value, "__dict__", {})
+        sides.extend(v for k, v in fields.items()
+                     if k in ("height", "width", "shortest_edge", "longest_edge") and isinstance(v, int) and v > 0)
+    return max(sides) if sides else None
 
 
 def _read_pooling_mode(model_path: Path) -> str:
@@ -147,15 +168,19 @@ class ImageClassificationRuntime(TaskRuntime):
         self.processor = processor
         self.labels = _labels(self.model.config)
         self.multi_label = getattr(self.model.config, "problem_type", None) == "multi_label_classification"
+        self.draft_side = _draft_side(processor)
 
     def decode(self, image: bytes) -> torch.Tensor:
-        """Encoded image bytes -> one preprocessed pixel tensor (C, H, W), on CPU."""
+        """Encoded image bytes -> one preprocessed pixel tensor (C, H, W), on CPU.
+
+        Seconds of CPU for a large image: the replica calls it off its event loop. The
+        size is checked from the header, before anything is decoded (Image.open is lazy)."""
         from PIL import Image, UnidentifiedImageError
 
         if not isinstance(image, (bytes, bytearray, memoryview)) or len(image) == 0:
             raise InvalidRequestError("image is empty or not bytes; send an encoded PNG/JPEG/WebP image", param="image")
         try:
-            img = Image.open(io.BytesIO(bytes(image)))
+            img = Image.open(io.BytesIO(bytes(image)), formats=IMAGE_FORMATS)
             w, h = img.size
             if w <= 0 or h <= 0:
                 raise InvalidRequestError(f"image has no pixels ({w}x{h})", param="image")
@@ -164,6 +189,8 @@ class ImageClassificationRuntime(TaskRuntime):
                     f"image is {w}x{h} = {w * h} pixels, at most {MAX_IMAGE_PIXELS} are accepted; send a smaller image",
                     param="image",
                 )
+            if img.format in ("JPEG", "MPO") and self.draft_side:
+                img.draft("RGB", (self.draft_side, self.draft_side))
             img.load()
             img = img.convert("RGB")
         except InvalidRequestError:

@@ -3,9 +3,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
+import secrets
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -120,6 +121,199 @@ class _RowStopper:
             self._sink_failed[i] = True
 
 
+def row_generators(n: int, seed: int | None, device: torch.device) -> list[torch.Generator] | torch.Generator:
+    """The random generators for ``n`` sampled rows.
+
+    With a seed, one generator per row, each seeded with it: a row draws from its own
+    stream, so its tokens are the same alone or beside any other rows (and the global
+    RNG, which other threads use, is left alone). Without a seed, one freshly seeded
+    generator for the whole call: nothing is promised about those rows, so they share
+    it and sample in one batched draw.
+    """
+    if seed is None:
+        generator = torch.Generator(device=device)
+        generator.seed()
+        return generator
+    generators = []
+    for _ in range(n):
+        generator = torch.Generator(device=device)
+        generator.manual_seed(int(seed))
+        generators.append(generator)
+    return generators
+
+
+def top_p_filter(scores: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Nucleus filtering as transformers' TopPLogitsWarper does it (keeps at least one token)."""
+    sorted_scores, sorted_indices = torch.sort(scores, descending=False)
+    cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+    remove_sorted = cumulative <= (1 - top_p)
+    remove_sorted[..., -1:] = False
+    remove = remove_sorted.scatter(1, sorted_indices, remove_sorted)
+    return scores.masked_fill(remove, float("-inf"))
+
+
+class _RowSampler:
+    """A logits processor that samples each row's next token (temperature, then top_p)
+    with the row's own generator and returns scores where only that token is finite.
+
+    It must run last, with greedy decoding: the model's other processors (repetition
+    penalty from its generation_config) have already shaped the scores it samples from.
+    """
+
+    def __init__(self, temperature: float, top_p: float, generators: list[torch.Generator] | torch.Generator):
+        self.temperature = temperature
+        self.top_p = top_p
+        self.generators = generators
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        scores = scores.float() / self.temperature
+        if self.top_p < 1.0:
+            scores = top_p_filter(scores, self.top_p)
+        probs = scores.softmax(dim=-1)
+        if isinstance(self.generators, torch.Generator):  # unseeded rows: one batched draw
+            chosen = torch.multinomial(probs, 1, generator=self.generators)
+        else:
+            chosen = torch.cat([torch.multinomial(probs[i], 1, generator=g)
+                                for i, g in enumerate(self.generators)]).unsqueeze(1)
+        out = torch.full_like(scores, float("-inf"))
+        return out.scatter_(1, chosen, 0.0)
+
+
+# ---------------------------------------------------------------- chat prompts
+
+# Per tokenizer: the ids and strings of its control tokens (special added tokens).
+_CONTROL_TOKENS: "weakref.WeakKeyDictionary[Any, tuple[frozenset[int], tuple[str, ...]]]" = weakref.WeakKeyDictionary()
+
+
+def control_tokens(tokenizer: Any) -> tuple[frozenset[int], tuple[str, ...]]:
+    """The ids and strings of the tokens a chat template uses as markup: the
+    tokenizer's special tokens and every added token flagged special
+    (``<|im_start|>``, ``<|eot_id|>``, reserved ids). Non-special added tokens are left
+    out: some tokenizers add ordinary text (runs of spaces) that way."""
+    try:
+        return _CONTROL_TOKENS[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    ids = {int(i) for i in (getattr(tokenizer, "all_special_ids", None) or ())}
+    strings = {str(t) for t in (getattr(tokenizer, "all_special_tokens", None) or ())}
+    for token_id, token in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items():
+        if getattr(token, "special", False):
+            ids.add(int(token_id))
+            strings.add(str(getattr(token, "content", token)))
+    found = (frozenset(ids), tuple(sorted(s for s in strings if s)))
+    try:
+        _CONTROL_TOKENS[tokenizer] = found
+    except TypeError:  # not weak-referenceable: computed each time
+        pass
+    return found
+
+
+def _render(tokenizer: Any, messages: list[dict]) -> str:
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as exc:  # templates raise on orders they do not support (jinja raise_exception)
+        raise InvalidRequestError(f"the model's chat template rejected these messages: {exc}",
+                                  param="messages") from exc
+
+
+def _content_spans(tokenizer: Any, messages: list[dict], text: str) -> list[tuple[int, int]] | None:
+    """Where each message's content lies in ``text`` (the rendered chat), or None if
+    that cannot be told for sure.
+
+    The template is rendered again with a unique marker for each content; the text
+    between the markers is the template's own. If the template's pieces with the real
+    contents put back (as they are, or trimmed, as Llama 3's template does) give
+    ``text`` exactly, the contents' spans are known.
+    """
+    tag = secrets.token_hex(8)
+    texts = [i for i, m in enumerate(messages) if isinstance(m.get("content"), str)]  # not a tool turn's None
+    marks = {i: f"CONTENT{tag}X{i}X" for i in texts}
+    try:
+        marked = tokenizer.apply_chat_template(
+            [{**m, "content": marks[i]} if i in marks else m for i, m in enumerate(messages)],
+            tokenize=False, add_generation_prompt=True)
+    except Exception:
+        return None
+    pieces, rest = [], marked
+    for i in texts:
+        if rest.count(marks[i]) != 1:
+            return None  # the template dropped or repeated a content (e.g. a system prompt moved)
+        before, rest = rest.split(marks[i])
+        pieces.append(before)
+    for shape in (lambda c: c, str.strip):
+        spans, built = [], ""
+        for piece, i in zip(pieces, texts):
+            built += piece
+            content = shape(messages[i]["content"])
+            spans.append((len(built), len(built) + len(content)))
+            built += content
+        if built + rest == text:
+            return spans
+    return None
+
+
+def _plain_ids(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of ``text`` with any special-token strings in it split as ordinary text."""
+    return list(tokenizer(text, add_special_tokens=False, split_special_tokens=True, truncation=False,
+                          verbose=False)["input_ids"])
+
+
+def encode_chat_template(tokenizer: Any, messages: list[dict]) -> list[int]:
+    """Token ids of a chat through the tokenizer's chat template plus the assistant prompt,
+    where the template's markup is control tokens and the messages' contents are text.
+
+    Tokenizing the rendered chat as one string would turn a ``<|im_start|>system`` or
+    ``<|eot_id|>`` that a user typed into the real control token, letting them forge a
+    system or assistant turn. Here each control token that falls inside a message's
+    content is replaced by the ordinary tokens of its spelling, so the model reads it
+    as text; a chat without such strings gets exactly the ids it always got. Where the
+    contents cannot be located in the rendered text (a template that rewrites them) or
+    the tokenizer gives no offsets (a slow tokenizer), a content that spells a control
+    token is refused instead (400 naming the message).
+
+    ``messages`` are ``{"role", "content"}`` dicts, content strings. Shared by every
+    engine (the transformers runtime and vLLM's), so all treat such content alike.
+    """
+    control_ids, control_strings = control_tokens(tokenizer)
+    contents = [m.get("content") if isinstance(m.get("content"), str) else "" for m in messages]
+    if not any(s in content for content in contents for s in control_strings):
+        # Nothing spelled a control token (the usual case): the template's text
+        # tokenized as a whole, as transformers does it (the template holds the special
+        # tokens it wants: bos, role markers).
+        try:
+            return list(tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                                      return_dict=False))
+        except Exception as exc:  # templates raise on orders they do not support (jinja raise_exception)
+            raise InvalidRequestError(f"the model's chat template rejected these messages: {exc}",
+                                      param="messages") from exc
+    text = _render(tokenizer, messages)
+    spans = _content_spans(tokenizer, messages, text)
+    encoded = None
+    if spans is not None:
+        try:
+            encoded = tokenizer(text, add_special_tokens=False, truncation=False, verbose=False,
+                                return_offsets_mapping=True)
+        except (NotImplementedError, TypeError, ValueError):  # slow tokenizers have no offsets
+            encoded = None
+    if encoded is None:  # some content spells a control token (the check above), so this raises
+        for i, content in enumerate(contents):
+            found = next((s for s in control_strings if s in content), None)
+            if found is not None:
+                raise InvalidRequestError(
+                    f"messages[{i}].content contains {found!r}, a control token of this model's chat format; "
+                    "remove it", param="messages")
+    ids: list[int] = []
+    for token_id, (start, end) in zip(encoded["input_ids"], encoded["offset_mapping"]):
+        if token_id in control_ids and end > start and any(start < b and a < end for a, b in spans):
+            # Spelled by the user, not the template: its characters as plain text. Added
+            # tokens are split out before the rest is tokenized, so the tokens around it
+            # are the same either way.
+            ids.extend(_plain_ids(tokenizer, text[start:end]))
+        else:
+            ids.append(int(token_id))
+    return ids
+
+
 class GenerationRuntime(TaskRuntime):
     """Causal LM text generation, many rows per generate() call with per-row stopping."""
 
@@ -190,14 +384,7 @@ class GenerationRuntime(TaskRuntime):
                 "endpoint with a raw prompt",
                 param="messages",
             )
-        try:
-            text = self.tokenizer.apply_chat_template(clean, tokenize=False, add_generation_prompt=True)
-        except Exception as exc:  # templates raise on orders they do not support (jinja raise_exception)
-            raise InvalidRequestError(f"the model's chat template rejected these messages: {exc}",
-                                      param="messages") from exc
-        # The template already holds the special tokens it wants (bos, role markers).
-        ids = list(self.tokenizer(text, add_special_tokens=False, truncation=False, verbose=False)["input_ids"])
-        return self._check_length(ids, "messages")
+        return self._check_length(encode_chat_template(self.tokenizer, clean), "messages")
 
     def generate(self, requests: list[GenerationRequest], params: SamplingParams, *,
                  on_delta: DeltaCallback | None = None,
@@ -216,6 +403,10 @@ class GenerationRuntime(TaskRuntime):
         logged and that row is cancelled. ``is_cancelled(row_index)`` is asked once per
         step for each running row: True ends that row at this step with finish_reason
         "cancelled", holding only the tokens generated before, while the others go on.
+
+        Sampling (temperature > 0): with ``params.seed`` every row draws from its own
+        generator seeded with it, so a row's tokens are the same whatever rows share
+        the call; the global torch RNG is never touched.
         """
         if not requests:
             return []
@@ -251,21 +442,19 @@ class GenerationRuntime(TaskRuntime):
             eos_token_id=sorted(self.eos_token_ids) or None,
             stopping_criteria=StoppingCriteriaList([stopper]),
         )
-        if params.temperature is None or params.temperature <= 0:
-            kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
-        else:
-            kwargs.update(do_sample=True, temperature=float(params.temperature),
-                          top_p=float(params.top_p) if params.top_p is not None else 1.0, top_k=0)
+        # Greedy decoding either way: when sampling, _RowSampler (the last logits
+        # processor) draws each row's token and leaves only that token finite, so the
+        # argmax picks it. transformers' own sampling draws the whole batch from one
+        # RNG, which makes a seeded row's tokens depend on the rows beside it.
+        kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+        if params.temperature is not None and params.temperature > 0:
+            from transformers import LogitsProcessorList
 
-        rng = contextlib.nullcontext()
-        if params.seed is not None:
-            devices = []
-            if self.device.type == "cuda":
-                devices = [self.device.index if self.device.index is not None else torch.cuda.current_device()]
-            rng = torch.random.fork_rng(devices=devices)
-        with rng, torch.inference_mode():
-            if params.seed is not None:
-                torch.manual_seed(int(params.seed))
+            kwargs["logits_processor"] = LogitsProcessorList([_RowSampler(
+                float(params.temperature), float(params.top_p) if params.top_p is not None else 1.0,
+                row_generators(n, params.seed, self.device),
+            )])
+        with torch.inference_mode():
             out = self.model.generate(**kwargs)
         generated = out[:, width:].cpu().tolist()
 

@@ -109,6 +109,12 @@ def load_runtime(options: LoadOptions) -> TaskRuntime:
             task=options.task, model=model, tokenizer=tok, max_input_tokens=_max_input_tokens(model.config, tok),
             **common,
         )
+    if isinstance(rt, (EmbeddingRuntime, TextClassificationRuntime)):
+        # The replica tokenizes in worker threads, several at once. A fast tokenizer's
+        # first call may reconfigure its Rust backend (truncation or padding saved in
+        # tokenizer.json), which concurrent calls would collide on ("Already borrowed");
+        # done once here, every later call only reads it.
+        rt.tokenize("warm up")
     # After the runtime is built: torchao packs weights for the device they are on.
     quantize_weights(rt.model, options.quantization)
     rt.quantization = options.quantization

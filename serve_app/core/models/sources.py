@@ -22,6 +22,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -31,16 +32,6 @@ _HUB_IGNORE_PATTERNS = [
     "*.onnx", "onnx/*", "openvino/*", "*.h5", "*.msgpack", "*.ot", "*.tflite",
     "*.mlmodel", "*.mlpackage/*", "coreml/*", "*.gguf",
 ]
-
-_WEIGHT_SUFFIXES = (".safetensors", ".bin")
-# Tokenizer and processor files: they change what a model answers, so they are part of
-# the revision too.
-_AUX_REVISION_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "merges.txt",
-    "tokenizer.model", "special_tokens_map.json", "preprocessor_config.json",
-    "generation_config.json", "chat_template.jinja",
-)
-
 
 
 def _default_cache_dir() -> Path:
@@ -237,34 +228,107 @@ def resolve_source(
     )
 
 
-def _hash_file_sample(h: "hashlib._Hash", f: Path, sample: int = 1 << 20) -> None:
-    size = f.stat().st_size
-    h.update(f"{f.name}\0{size}\0".encode())
+# Bump to re-hash every cached file digest (a change of what a digest covers).
+_DIGEST_CACHE_VERSION = 1
+# A cached digest is trusted only for a file last modified this long before it was
+# hashed: a write within the same timestamp tick (coarse filesystems) could leave size
+# and times equal while the content changed (git's "racy" index entries).
+_RACY_NS = 2_000_000_000
+
+
+def _revision_files(path: Path) -> list[tuple[str, Path]]:
+    """Every file under ``path``, recursively, as (relative POSIX path, path), sorted.
+
+    Subfolders count (a sentence-transformers ``1_Pooling/config.json`` changes the
+    embeddings); hidden entries (``.git``, ``.cache/huggingface``'s download metadata)
+    and ``__pycache__`` do not, as they change without the model changing. Symlinked
+    files are followed, symlinked folders are not (no cycles).
+    """
+    files = []
+    for dirpath, dirnames, filenames in os.walk(path):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".") and d != "__pycache__"]
+        for name in filenames:
+            f = Path(dirpath) / name
+            if not name.startswith(".") and f.is_file():
+                files.append((f.relative_to(path).as_posix(), f))
+    return sorted(files)
+
+
+def _digest_cache_path(path: Path) -> Path:
+    where = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:24]
+    return _default_cache_dir() / "revisions" / f"{where}.json"
+
+
+def _load_digests(cache: Path) -> dict:
+    try:
+        data = json.loads(cache.read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict) or data.get("version") != _DIGEST_CACHE_VERSION:
+        return {}
+    files = data.get("files")
+    return files if isinstance(files, dict) else {}
+
+
+def _save_digests(cache: Path, files: dict) -> None:
+    """Atomically (replicas starting together may write at once; the last one wins,
+    and either one is right). A cache that cannot be written only costs time."""
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{cache.name}.", dir=cache.parent)
+        with os.fdopen(fd, "w") as fh:
+            json.dump({"version": _DIGEST_CACHE_VERSION, "files": files}, fh)
+        os.replace(tmp, cache)
+    except OSError as exc:
+        logger.debug("could not write the revision digest cache %s: %s", cache, exc)
+
+
+def _file_digest(f: Path, chunk: int = 8 << 20) -> str:
+    """sha256 of the whole file, read in chunks (weights are gigabytes)."""
+    h = hashlib.sha256()
     with open(f, "rb") as fh:
-        h.update(fh.read(sample))
-        if size > sample:
-            fh.seek(max(sample, size - sample))
-            h.update(fh.read(sample))
+        while block := fh.read(chunk):
+            h.update(block)
+    return h.hexdigest()
 
 
 def model_revision(path: Path) -> str:
     """A stable 16-hex-character id of the model in ``path``, for cache keys.
 
     A hub snapshot directory (``.../snapshots/<commit>/``) gives its commit. Otherwise
-    a sha256 over config.json, and for each weight file (``*.safetensors``, ``*.bin``)
-    and tokenizer/processor file its name, size and first and last MiB.
+    a sha256 over every file in the folder, subfolders included: its relative path and
+    the sha256 of its whole content. A sampled hash (size, first and last MiB) kept the
+    revision of an in-place fine-tune that changed only tensors in the middle, and so
+    its cached answers.
+
+    Hashing a large model's files takes seconds, so each file's digest is cached
+    (``$SERVE_APP_CACHE/revisions/``) under its size, mtime, ctime and inode: a restart
+    re-hashes only files that changed. ctime cannot be set back by tools that copy
+    times (``cp -p``, ``rsync -t``), so a rewritten file is always re-hashed.
     """
     path = Path(path)
     resolved = path.resolve() if path.exists() else path
     for p in (path, resolved):
         if p.parent.name == "snapshots" and len(p.name) >= 16 and all(c in "0123456789abcdef" for c in p.name):
             return p.name[:16]
+    files = _revision_files(path) if path.is_dir() else []
+    cache = _digest_cache_path(path) if files else None
+    cached = _load_digests(cache) if cache else {}
+    fresh: dict[str, list] = {}
     h = hashlib.sha256()
-    cfg = path / "config.json"
-    if cfg.is_file():
-        h.update(b"config.json\0")
-        h.update(cfg.read_bytes())
-    for f in sorted(path.iterdir()) if path.is_dir() else []:
-        if f.is_file() and (f.suffix in _WEIGHT_SUFFIXES or f.name in _AUX_REVISION_FILES):
-            _hash_file_sample(h, f)
+    for rel, f in files:
+        st = f.stat()
+        stamp = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+        entry = cached.get(rel)
+        if (isinstance(entry, list) and len(entry) == 6 and entry[:4] == stamp
+                and st.st_mtime_ns < entry[4] - _RACY_NS and st.st_ctime_ns < entry[4] - _RACY_NS):
+            digest = entry[5]
+        else:
+            hashed_at = time.time_ns()
+            digest = _file_digest(f)
+            entry = [*stamp, hashed_at, digest]
+        fresh[rel] = entry
+        h.update(f"{rel}\0{digest}\0".encode())
+    if cache is not None and fresh != cached:  # also drops entries of files since removed
+        _save_digests(cache, fresh)
     return h.hexdigest()[:16]
