@@ -8,7 +8,8 @@ of failing requests, and the semantic index for models that opt in.
 Several CacheServer replicas share entries only through Redis; with the memory store
 each replica keeps its own entries (the router's calls spread over them, so the hit
 rate drops as replicas are added: use Redis when you need more than one). The
-semantic index is always per replica.
+semantic index is always per replica, and bounded as a whole by
+``cache.semantic_max_bytes`` (see :class:`SemanticIndex`).
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ class CacheServer:
     async def __init__(self, cache_config: dict):
         self.config = CacheConfig.model_validate(cache_config)
         self.store = ResilientStore(_store_from_config(self.config), timeout_s=self.config.store_timeout_s)
-        self.semantic = SemanticIndex(max_entries_per_namespace=self.config.semantic_max_entries)
+        self.semantic = SemanticIndex(max_entries_per_namespace=self.config.semantic_max_entries,
+                                      max_bytes=self.config.semantic_max_bytes)
         self.counts = {"gets": 0, "hits": 0, "sets": 0, "semantic_lookups": 0, "semantic_hits": 0}
         self.metrics = StoreMetrics()
         # Ray drops a gauge from the scrape when it is not set for a while; refresh the
@@ -88,10 +90,12 @@ class CacheServer:
         self.counts["sets"] += 1
         await self.store.set(key, value, ttl_s if ttl_s is not None else self.config.ttl_s)
 
-    async def semantic_get(self, namespace: str, vector: Sequence[float], threshold: float) -> Optional[tuple[str, float, bytes]]:
-        """The stored answer of the most similar earlier request, if similar enough."""
+    async def semantic_get(self, namespace: str, vector: Sequence[float], question: str,
+                           threshold: float) -> Optional[tuple[str, float, bytes]]:
+        """The stored answer of the most similar earlier question of ``namespace``, if similar
+        enough and, by the index's guard, asking the same thing as ``question``."""
         self.counts["semantic_lookups"] += 1
-        found = self.semantic.lookup(namespace, vector, threshold=threshold)
+        found = self.semantic.lookup(namespace, vector, question, threshold=threshold)
         if found is None:
             return None
         key, similarity = found
@@ -102,8 +106,8 @@ class CacheServer:
         self.counts["semantic_hits"] += 1
         return key, similarity, value
 
-    async def semantic_add(self, namespace: str, vector: Sequence[float], key: str) -> None:
-        self.semantic.add(namespace, vector, key)
+    async def semantic_add(self, namespace: str, vector: Sequence[float], key: str, question: str) -> None:
+        self.semantic.add(namespace, vector, key, question)
 
     async def drop_model(self, model: str) -> dict:
         entries = await self.store.drop_model(model)
@@ -124,4 +128,8 @@ class CacheServer:
             "entries": figures["entries"],
             "bytes": figures["size_bytes"],
             "semantic_vectors": len(self.semantic),
+            "semantic_namespaces": self.semantic.namespaces,
+            "semantic_bytes": self.semantic.nbytes,
+            "semantic_evictions": self.semantic.evictions,
+            "semantic_refused": self.semantic.refused,
         }

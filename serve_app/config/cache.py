@@ -14,14 +14,22 @@ class SemanticCacheConfig(_Section):
     """Reuse the answer of an earlier, very similar request (opt-in per model)."""
 
     embedding_model: str = Field(
-        description="Name of an embedding model in `models` that embeds the canonical prompt."
+        description="Name of an embedding model in `models` that embeds the last user turn (everything "
+        "before it must match exactly)."
     )
     threshold: float = Field(
         0.95,
         ge=0.5,
         le=1.0,
-        description="Cosine similarity at or above which a stored answer is reused. "
-        "Conservative by default: paraphrases pass, questions that differ in one word rarely do.",
+        description="Cosine similarity of the last user turns at or above which a stored answer is a "
+        "candidate; it is reused only if the two turns also have the same numbers, negations and content "
+        "words in the same order (see README, Cache).",
+    )
+    embed_timeout_s: float = Field(
+        1.0,
+        gt=0,
+        description="Longest the lookup waits for the last turn's embedding; past it the request goes to "
+        "the model without a semantic lookup, so a slow embedder costs hits, never the request's deadline.",
     )
 
 
@@ -79,7 +87,23 @@ class CacheConfig(_Section):
         30.0, gt=0, description="How often the router re-reads each model's revision for its keys."
     )
     semantic_max_entries: int = Field(
-        10_000, ge=1, description="Most vectors per (model, revision, params) in the semantic index; oldest go first."
+        10_000, ge=1, description="Most vectors per semantic namespace (model, revision, params, conversation "
+        "context, scope) in the semantic index; oldest go first."
+    )
+    semantic_max_bytes: int = Field(
+        64 * 2**20,
+        ge=2**20,
+        description="Memory budget of the whole semantic index of one CacheServer replica, all namespaces "
+        "together (vectors, keys and questions); least recently used namespaces go first, and one "
+        "namespace takes at most half of it.",
+    )
+    scope: Literal["per_key", "shared"] = Field(
+        "per_key",
+        description="Who may reuse a semantic entry. per_key: only requests with the same API key (a hash "
+        "of it is in the namespace), so one tenant's answer, which may carry its private details, never "
+        "answers another's merely similar question; with auth off there are no keys and this is the same "
+        "as shared. shared: every caller. Exact entries are shared either way: an identical request gets "
+        "the identical answer.",
     )
     num_replicas: int = Field(1, ge=1, description="CacheServer replicas; more than one needs store: redis to share entries.")
     num_cpus: float = Field(0.1, gt=0, description="CPUs reserved per CacheServer replica.")

@@ -294,12 +294,6 @@ class GenerateCall:
             "tools": self.tools,
         }
 
-    def semantic_text(self) -> Optional[str]:
-        """The text a semantic cache compares: a single prompt, or the whole chat."""
-        if self.messages is not None:
-            return "\n".join(f"{turn.role}: {turn.content}" for turn in self.messages)
-        return self.prompts[0] if len(self.prompts) == 1 else None
-
 
 ModelCall = Union[EmbedCall, ClassifyCall, GenerateCall]
 ModelResult = Union[EmbedResult, ClassifyResult, GenerateResult]

@@ -21,6 +21,7 @@ from typing import Any, Optional
 from serve_app.core.auth import ApiKeys
 from serve_app.core.errors import PayloadTooLargeError, ServeAppError
 from serve_app.core.recent import RecentEvents, percentile
+from serve_app.ingress import caller
 from serve_app.ingress import notes as request_notes
 from serve_app.ingress.http_errors import error_response
 from serve_app.metrics import RequestMetrics
@@ -129,12 +130,16 @@ class IngressGuard:
         state = ingress_state(scope["app"])
         try:
             receive = self._limit_body(state.max_body_bytes, scope, receive)
-            self._authorize(state.keys, scope)
+            identity = self._authorize(state.keys, scope)
         except ServeAppError as exc:
             headers = {"WWW-Authenticate": "Bearer"} if exc.status_code == 401 else None
             await error_response(exc, headers)(scope, receive, send)
             return
-        await self.app(scope, receive, send)
+        token = caller.begin(identity)  # the semantic cache's per_key scope reads it
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            caller.end(token)
 
     @staticmethod
     def _limit_body(limit: Optional[int], scope, receive):
@@ -157,13 +162,15 @@ class IngressGuard:
         return counting_receive
 
     @staticmethod
-    def _authorize(keys: Optional[ApiKeys], scope) -> None:
+    def _authorize(keys: Optional[ApiKeys], scope) -> Optional[str]:
+        """Refuse a request without a valid key; return the key's identity (a hash), None with auth off."""
         if keys is None:
-            return
+            return None
         path, root = scope["path"], scope.get("root_path", "")
         if root and path.startswith(root):
             path = path[len(root):] or "/"
         if path in _PUBLIC_PATHS:
-            return
+            return None
         header = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), None)
         keys.authorize(header, admin=path.startswith(_ADMIN_PREFIXES))
+        return caller.key_identity(header)

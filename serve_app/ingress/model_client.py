@@ -17,7 +17,7 @@ import dataclasses
 import logging
 import time
 from collections import Counter
-from typing import Any, AsyncIterator, Protocol
+from typing import Any, AsyncIterator, Optional, Protocol
 
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
@@ -98,34 +98,48 @@ class ModelClient:
         self.config = config
         self.replica_retries: Counter = Counter()  # per model: calls retried after a replica died
 
-    async def infer(self, model: ModelConfig, call: ModelCall) -> ModelResult:
-        """The model's answer to ``call``; rows still queued at the deadline are
-        dropped by the replica rather than computed for nobody."""
-        timeout_s = self.config.request_timeout_s
-        call = dataclasses.replace(call, deadline=time.time() + timeout_s)
-        return await self._unary(model, lambda backend: backend.infer(call))
+    def deadline(self) -> float:
+        """The deadline (time.monotonic()) of a request arriving now. One request's calls
+        (the revision read, the semantic cache's embedding, the model call) all take
+        this one deadline, so a request ends within request_timeout_s of its arrival,
+        not one timeout per call."""
+        return time.monotonic() + self.config.request_timeout_s
 
-    async def info(self, model: ModelConfig) -> ModelInfo:
-        return await self._unary(model, lambda backend: backend.info())
+    async def infer(self, model: ModelConfig, call: ModelCall, *, deadline: Optional[float] = None) -> ModelResult:
+        """The model's answer to ``call`` by ``deadline`` (time.monotonic(); default: a
+        request arriving now); rows still queued at the deadline are dropped by the
+        replica rather than computed for nobody."""
+        deadline = self.deadline() if deadline is None else deadline
+        # The replica's clock is the wall clock: the same instant, in its terms.
+        call = dataclasses.replace(call, deadline=time.time() + (deadline - time.monotonic()))
+        return await self._unary(model, lambda backend: backend.infer(call), deadline)
+
+    async def info(self, model: ModelConfig, *, deadline: Optional[float] = None) -> ModelInfo:
+        return await self._unary(model, lambda backend: backend.info(), deadline)
 
     async def stats(self, model: ModelConfig) -> dict:
         return await self._unary(model, lambda backend: backend.stats())
 
-    async def _unary(self, model: ModelConfig, start) -> Any:
-        """One call with the request's deadline. A full queue is a 503 at once; a
-        replica that dies under the call is retried on another, a bounded number of
-        times with backoff, while Ray restarts it."""
-        timeout_s = self.config.request_timeout_s
-        deadline = time.monotonic() + timeout_s
+    def _timed_out(self, model: ModelConfig, what: str = "answer") -> DeadlineExceededError:
+        return DeadlineExceededError(
+            f"model {model.name!r} did not {what} within the request's {self.config.request_timeout_s}s",
+            code="timeout")
+
+    async def _unary(self, model: ModelConfig, start, deadline: Optional[float] = None) -> Any:
+        """One call by ``deadline`` (time.monotonic(); default: a request arriving now).
+        A full queue is a 503 at once; a replica that dies under the call is retried on
+        another, a bounded number of times with backoff, while Ray restarts it."""
+        deadline = self.deadline() if deadline is None else deadline
         for attempt in range(self.config.replica_retries + 1):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:  # spent by earlier calls of the request: do not start one more
+                raise self._timed_out(model)
             response = start(self.backends[model.name])
             try:
-                return await asyncio.wait_for(response, timeout=max(0.0, deadline - time.monotonic()))
+                return await asyncio.wait_for(response, timeout=remaining)
             except asyncio.TimeoutError:
                 response.cancel()
-                raise DeadlineExceededError(
-                    f"model {model.name!r} did not answer within {timeout_s}s", code="timeout"
-                ) from None
+                raise self._timed_out(model) from None
             except _REPLICA_LOST as exc:
                 if attempt == self.config.replica_retries:
                     raise
@@ -134,7 +148,8 @@ class ModelClient:
                 raise self._model_error(model, exc) from None
         raise AssertionError("unreachable: the last attempt returns or raises")
 
-    async def stream(self, model: ModelConfig, call: GenerateCall) -> AsyncIterator[StreamEvent]:
+    async def stream(self, model: ModelConfig, call: GenerateCall, *,
+                     deadline: Optional[float] = None) -> AsyncIterator[StreamEvent]:
         """The model's streamed generation events, under the request's deadline.
 
         A replica lost before the first event is retried like a unary call; after it,
@@ -142,9 +157,8 @@ class ModelClient:
         Leaving early (client gone, deadline) cancels the model's stream, which frees
         its rows in the batch.
         """
-        timeout_s = self.config.request_timeout_s
-        deadline = time.monotonic() + timeout_s
-        call = dataclasses.replace(call, deadline=time.time() + timeout_s)
+        deadline = self.deadline() if deadline is None else deadline
+        call = dataclasses.replace(call, deadline=time.time() + (deadline - time.monotonic()))
         for attempt in range(self.config.replica_retries + 1):
             events = self.backends[model.name].infer_stream(call)
             started = finished = False
@@ -158,9 +172,7 @@ class ModelClient:
                     started = True
                     yield event
             except asyncio.TimeoutError:
-                raise DeadlineExceededError(
-                    f"model {model.name!r} did not finish within {timeout_s}s", code="timeout"
-                ) from None
+                raise self._timed_out(model, "finish") from None
             except _REPLICA_LOST as exc:
                 if started or attempt == self.config.replica_retries:
                     raise

@@ -4,26 +4,42 @@ In order: the hot tier (answers this router replica just computed or fetched), t
 CacheServer deployment (memory or Redis, shared by the routers), the semantic index
 for models that opt in, and finally the model itself, where identical requests in
 flight at the same time share one call (single-flight). A fresh answer is written back
-without making the client wait. Keys carry the model's revision, re-read from its
-replicas every ``revision_refresh_s``, so a newly loaded revision never serves the old
-one's answers. The cache can only ever miss: a slow or failing CacheServer costs a
-model call, never a request.
+without making the client wait, under the revision of the replica that computed it
+(during a rolling update that can differ from the one read). Reads use the model's
+revision as the router knows it, re-read from its replicas every
+``revision_refresh_s`` and never going back to an older one, so a newly loaded
+revision never serves the old one's answers. One deadline, taken when the request
+arrives, covers every call made for it. The cache can only ever miss: a slow or
+failing CacheServer, or a corrupt stored value, costs a model call, never a request.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import math
 import time
 from collections import Counter
 from typing import Any, Callable, Optional
 
 import cachetools
+import numpy as np
 from ray.serve.handle import DeploymentHandle
 
 from serve_app.config import CacheConfig, ModelConfig
-from serve_app.core.calls import EmbedCall, GenerateCall, ModelCall, ModelResult
+from serve_app.core.calls import (
+    ClassifyResult,
+    EmbedCall,
+    EmbedResult,
+    GenerateCall,
+    GenerateResult,
+    ModelCall,
+    ModelResult,
+)
 from serve_app.core.cache import SingleFlight, cache_key, decode_value, encode_value, is_cacheable, semantic_namespace
+from serve_app.core.cache.semantic import semantic_request
+from serve_app.ingress import caller
 from serve_app.ingress.model_client import ModelClient
 from serve_app.ingress.notes import note
 from serve_app.metrics import CacheMetrics
@@ -32,6 +48,25 @@ logger = logging.getLogger("ray.serve")
 
 # Outcomes that computed the answer, as the x-cache header tells them.
 _COMPUTED = ("bypass", "coalesced")
+
+# At most one warning per this many seconds per kind of trouble (a corrupt entry, a
+# failing embedder): a per-request problem must not write a line per request.
+_WARN_EVERY_S = 30.0
+# A text the embedder refused as too long makes texts at least as long skip the semantic
+# lookup for this long (then one is tried again: the bound is a guess in characters).
+_TOO_LONG_MEMORY_S = 600.0
+
+
+@dataclasses.dataclass
+class _KnownRevision:
+    """What the router knows of a model's revision (from ``ModelServer.info``)."""
+
+    revision: str
+    loaded_at: Optional[float]  # when the replica that reported it loaded (time.time())
+    read_at: float  # time.monotonic() of the last read
+    max_input_tokens: Optional[int] = None
+    # Revisions seen on replicas loaded before this one's (the old side of a rolling update).
+    older: set = dataclasses.field(default_factory=set)
 
 
 class ResponseCache:
@@ -52,16 +87,25 @@ class ResponseCache:
             maxsize=max(1, config.router_hot_bytes), ttl=config.router_hot_ttl_s, getsizeof=lambda e: len(e[0])
         )
         self._background: set[asyncio.Task] = set()
-        self._revisions: dict[str, tuple[str, float]] = {}
+        self._revisions: dict[str, _KnownRevision] = {}
+        self._too_long: dict[str, tuple[int, float]] = {}  # embedder -> (chars, when) it refused
+        self._warned_at: dict[str, float] = {}
+        self._unwarned: Counter = Counter()
+        self.semantic_too_long = 0  # semantic lookups skipped: the text exceeds the embedder's context
+        self.corrupt_entries = 0  # stored values that were not a valid answer to their request
         self.outcomes: Counter = Counter()  # (model, outcome) -> requests
         self.metrics = CacheMetrics()
         self.errors = 0
         self._error_logged_at = 0.0
 
-    async def answer(self, model: ModelConfig, call: ModelCall) -> tuple[ModelResult, str]:
+    async def answer(self, model: ModelConfig, call: ModelCall, *,
+                     deadline: Optional[float] = None) -> tuple[ModelResult, str]:
         """The model's answer to ``call``, from the cache when possible, else from one
-        (possibly shared) model call; and the ``x-cache`` header value."""
-        outcome, result = await self._lookup_or_compute(model, call)
+        (possibly shared) model call; and the ``x-cache`` header value. ``deadline``
+        (time.monotonic(); default: a request arriving now) covers every call made for
+        it: the revision read, the semantic cache's embedding and the model call."""
+        deadline = self.client.deadline() if deadline is None else deadline
+        outcome, result = await self._lookup_or_compute(model, call, deadline)
         self.outcomes[(model.name, outcome)] += 1
         self.metrics.outcome(model.name, outcome)
         note(cache=outcome)
@@ -80,89 +124,218 @@ class ResponseCache:
             outcomes.setdefault(name, {})[outcome] = count
         store = await self._store_call("stats", lambda store: store.stats.remote(), timeout_s=5)
         return {**(store or {}), "router_outcomes": outcomes, "router_cache_errors": self.errors,
-                "coalesced": self.flights.coalesced}
+                "coalesced": self.flights.coalesced, "router_corrupt_entries": self.corrupt_entries,
+                "router_semantic_too_long": self.semantic_too_long}
 
     # ---- the lookup ------------------------------------------------------------------
 
-    async def _lookup_or_compute(self, model: ModelConfig, call: ModelCall) -> tuple[str, ModelResult]:
+    async def _lookup_or_compute(self, model: ModelConfig, call: ModelCall,
+                                 deadline: float) -> tuple[str, ModelResult]:
         params = call.cache_params()
         if self.store is None or not model.cache.enabled or not is_cacheable(model.task, params):
-            return "bypass", await self.client.infer(model, call)
-        revision = await self._revision(model)
-        key = cache_key(model=model.name, revision=revision, task=model.task, payload=call.cache_input(),
-                        params=params)
+            return "bypass", await self.client.infer(model, call, deadline=deadline)
+        # Reads use the revision the router knows: the newest it has seen, so a hit is
+        # never an older revision's answer. Writes use the revision of the replica that
+        # computed the answer (compute_and_store), which during a rolling update can be
+        # another one: an old replica's answer never lands under the new revision's key.
+        revision = await self._revision(model, deadline)
+
+        def key_under(rev: str) -> str:
+            return cache_key(model=model.name, revision=rev, task=model.task, payload=call.cache_input(),
+                             params=params)
+
+        key = key_under(revision)
         hot = self._hot_get(key)
         if hot is not None:
             return "hit", hot
         raw = await self._store_call("get", lambda store: store.get.remote(key))
-        stored = self._decode(raw, call)
+        stored = self._decode(raw, call, key=key, revision=revision)
         if stored is not None:
             self._remember(key, raw, stored)
             return "hit", stored
         hot = self._hot_get(key)  # answered while our lookup was on its way
         if hot is not None:
             return "hit", hot
-        namespace = vector = None
+        namespace = vector = question = None
         semantic = model.cache.semantic
-        text = call.semantic_text() if isinstance(call, GenerateCall) else None
-        if semantic is not None and text:
-            namespace = semantic_namespace(model=model.name, revision=revision, task=model.task, params=params)
-            vector = await self._embed_for_cache(semantic.embedding_model, text)
-            if vector is not None:
+        # Only the last user turn (a completion: its one prompt) is compared by meaning;
+        # the endpoint, system prompt, earlier turns, params, the embedder and the
+        # caller's scope must match exactly and are hashed into the namespace. The
+        # CacheServer's index then refuses a similar question with other numbers,
+        # negations or content words (core.cache.semantic).
+        asked = (semantic_request(prompts=call.prompts, messages=call.chat())
+                 if semantic is not None and isinstance(call, GenerateCall) else None)
+        if asked is not None:
+            # The lookup only saves work: it may not spend the model call's time.
+            embed_by = time.monotonic() + semantic.embed_timeout_s
+            embedded = await self._embed_for_cache(semantic.embedding_model, asked.question,
+                                                   embed_by if deadline is None else min(deadline, embed_by))
+            if embedded is not None:
+                vector, embedder_revision = embedded
+                question = asked.question
+                namespace = semantic_namespace(
+                    model=model.name, revision=revision, task=model.task, params=params, endpoint=asked.endpoint,
+                    context=asked.context, embedder=semantic.embedding_model, embedder_revision=embedder_revision,
+                    scope=self._semantic_scope())
                 found = await self._store_call(
-                    "semantic_get", lambda store: store.semantic_get.remote(namespace, vector, semantic.threshold))
-                similar = self._decode(found[2], call) if found is not None else None
+                    "semantic_get",
+                    lambda store: store.semantic_get.remote(namespace, vector, question, semantic.threshold))
+                similar = self._decode(found[2], call, key=found[0], revision=revision) if found is not None else None
                 if similar is not None:
                     return "semantic", similar
 
         async def compute_and_store() -> ModelResult:
-            result = await self.client.infer(model, call)
-            # Inside the flight, so that from the moment the flight ends the answer is
-            # already in the hot tier: no gap in which a late duplicate calls the model.
-            self._write_back(key, result, model.cache.ttl_s, namespace, vector)
+            result = await self.client.infer(model, call, deadline=deadline)
+            computed_by = getattr(result, "revision", None) or revision
+            self._saw_revision(model, computed_by)
+            if computed_by == revision:
+                # Inside the flight, so that from the moment the flight ends the answer is
+                # already in the hot tier: no gap in which a late duplicate calls the model.
+                self._write_back(key, result, model.cache.ttl_s, namespace, vector, question)
+            else:
+                # Another revision's replica answered: its key, and no semantic entry (the
+                # namespace is the read revision's).
+                self._write_back(key_under(computed_by), result, model.cache.ttl_s, None, None)
             return result
 
         result, shared = await self.flights.run(key, compute_and_store)
         return ("coalesced" if shared else "miss"), result
 
-    async def _revision(self, model: ModelConfig) -> str:
-        """The model's revision for cache keys, re-read every revision_refresh_s, so a
-        newly loaded revision makes the old entries unreachable."""
+    async def _revision(self, model: ModelConfig, deadline: Optional[float] = None) -> str:
+        """The model's revision for reading cache keys, re-read every revision_refresh_s
+        from one of its replicas, so a newly loaded revision makes the old entries
+        unreachable.
+
+        It never goes back: during a rolling update the re-read lands on an old or a new
+        replica at random, and a read from a replica loaded before the one the known
+        revision came from (``ModelInfo.loaded_at``) is an older revision, so it is kept
+        out. A rollback starts replicas later still, so it is taken like any update."""
         if model.cache.revision:
             return model.cache.revision
         known = self._revisions.get(model.name)
         now = time.monotonic()
-        if known and now - known[1] < self.config.revision_refresh_s:
-            return known[0]
+        if known is not None and now - known.read_at < self.config.revision_refresh_s:
+            return known.revision
         try:
-            revision = (await self.client.info(model)).revision
+            info = await self.client.info(model, deadline=deadline)
         except Exception:
-            if known:  # keep serving with the last known revision
-                return known[0]
+            if known is not None:  # keep serving with the last known revision
+                return known.revision
             raise
-        self._revisions[model.name] = (revision, now)
-        return revision
+        if known is not None and info.revision != known.revision and not _loaded_later(info.loaded_at,
+                                                                                       known.loaded_at):
+            known.older.add(info.revision)  # the old side of an update answered: keep ours
+            known.read_at = now
+            return known.revision
+        older = set() if known is None else (known.older | {known.revision}) - {info.revision}
+        loaded_at = info.loaded_at
+        if known is not None and info.revision == known.revision and known.loaded_at is not None:
+            loaded_at = max(known.loaded_at, loaded_at or known.loaded_at)
+        # Bounded: only revisions seen beside each other during updates, the last few kept.
+        self._revisions[model.name] = _KnownRevision(info.revision, loaded_at, now, info.max_input_tokens,
+                                                     set(list(older)[-8:]))
+        return info.revision
 
-    async def _embed_for_cache(self, model_name: str, text: str) -> Optional[list[float]]:
-        try:
-            result = await self.client.infer(self.models[model_name], EmbedCall(texts=(text,)))
-            return result.embeddings[0]
-        except Exception as exc:  # the semantic cache is best effort
-            logger.warning("semantic cache: embedding with %s failed: %r", model_name, exc)
+    def _saw_revision(self, model: ModelConfig, revision: Optional[str]) -> None:
+        """An answer came from a replica of ``revision``. One the router has not seen
+        yet means replicas of another revision now serve: re-read the revision at the
+        next request (at most once a second) rather than up to revision_refresh_s later,
+        so reads move to the new revision's keys soon after its first replica answers."""
+        known = self._revisions.get(model.name)
+        if model.cache.revision or known is None or revision is None:
+            return
+        if revision != known.revision and revision not in known.older:
+            if time.monotonic() - known.read_at >= min(1.0, self.config.revision_refresh_s):
+                known.read_at = -math.inf
+
+    async def _embed_for_cache(self, model_name: str, text: str,
+                               deadline: Optional[float] = None) -> Optional[tuple[list[float], str]]:
+        """The semantic cache's embedding of ``text`` and the revision of the embedder
+        that computed it (part of the namespace: vectors of two revisions are not
+        comparable), or None (no semantic lookup).
+
+        Within the request's deadline: the model call after it has only what is left. A
+        text longer than the embedder's context is never sent (the call could only fail):
+        one with more words than the context has tokens is too long for any tokenizer
+        that gives each word a token at least; and once the embedder refuses a text as
+        too long, texts at least as long (in characters) skip it for a while.
+        """
+        embedder = self.models[model_name]
+        if self._too_long_to_embed(embedder, text):
+            self.semantic_too_long += 1
             return None
+        try:
+            await self._revision(embedder, deadline)  # learns its context (max_input_tokens)
+        except Exception:  # noqa: BLE001 - the context check is an optimisation only
+            pass
+        if self._too_long_to_embed(embedder, text):
+            self.semantic_too_long += 1
+            return None
+        try:
+            result = await self.client.infer(embedder, EmbedCall(texts=(text,)), deadline=deadline)
+            return result.embeddings[0], self._vector_revision(embedder, result)
+        except Exception as exc:  # the semantic cache is best effort
+            if getattr(exc, "code", None) == "context_length_exceeded":
+                self.semantic_too_long += 1
+                known = self._too_long.get(model_name)
+                fresh = known is not None and time.monotonic() - known[1] < _TOO_LONG_MEMORY_S
+                self._too_long[model_name] = (min(len(text), known[0]) if fresh else len(text), time.monotonic())
+                self._warn("too_long", "semantic cache: %d text(s) longer than the context of %s were not embedded "
+                           "(no semantic lookup for them; last: %d characters)", model_name, len(text),
+                           level=logging.INFO)
+            else:
+                self._warn("embed", "semantic cache: %d embedding call(s) with %s failed (last: %r)", model_name, exc)
+            return None
+
+    def _too_long_to_embed(self, embedder: ModelConfig, text: str) -> bool:
+        known = self._revisions.get(embedder.name)
+        if known is not None and known.max_input_tokens and len(text.split()) > known.max_input_tokens:
+            return True
+        refused = self._too_long.get(embedder.name)
+        return (refused is not None and len(text) >= refused[0]
+                and time.monotonic() - refused[1] < _TOO_LONG_MEMORY_S)
+
+    def _warn(self, kind: str, message: str, *args: Any, level: int = logging.WARNING) -> None:
+        """Log ``message`` at most once per _WARN_EVERY_S per ``kind``. Its first
+        placeholder (``%d``) gets how many times it happened since the last line."""
+        self._unwarned[kind] += 1
+        now = time.monotonic()
+        if now - self._warned_at.get(kind, -math.inf) < _WARN_EVERY_S:
+            return
+        count, self._unwarned[kind] = self._unwarned[kind], 0
+        self._warned_at[kind] = now
+        logger.log(level, message, count, *args)
 
     # ---- values ----------------------------------------------------------------------
 
-    def _decode(self, encoded: Optional[bytes], call: ModelCall) -> Optional[ModelResult]:
-        """A stored answer as the call's result type; None (a miss) if it is not one, for
-        example an entry written by an older version in another shape."""
+    def _decode(self, encoded: Optional[bytes], call: ModelCall, *, key: Optional[str] = None,
+                revision: Optional[str] = None) -> Optional[ModelResult]:
+        """A stored answer as the call's result type; None (a miss) if it is not a valid
+        answer to ``call`` of ``revision``: garbage, another shape (VALUE_SCHEMA in the key
+        keeps other versions' layouts apart, so this is corruption), the wrong number of
+        rows, a non-finite vector. Such an entry is dropped (``key``), so it costs one
+        miss, not a miss or a 500 per request until its TTL ends."""
         if encoded is None:
             return None
         try:
-            return call.result_type.from_wire(decode_value(encoded))
-        except Exception as exc:
-            logger.warning("cache: ignoring an entry that is not a %s: %r", call.result_type.__name__, exc)
-            return None
+            result = call.result_type.from_wire(decode_value(encoded))
+            problem = _misfit(call, result, revision)
+        except Exception as exc:  # noqa: BLE001 - any failure to decode is a corrupt entry
+            result, problem = None, repr(exc)
+        if problem is None:
+            return result
+        self.corrupt_entries += 1
+        self._warn("corrupt", "cache: dropped %d stored value(s) that were not a valid answer (last: not a %s: %s)",
+                   call.result_type.__name__, problem)
+        if key is not None:
+            self._hot.pop(key, None)
+            self._background_call("drop", lambda store: store.set.remote(key, b"", 0))  # ttl 0 deletes
+        return None
+
+    def _background_call(self, what: str, start: Callable[[DeploymentHandle], Any]) -> None:
+        task = asyncio.create_task(self._store_call(what, start))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _remember(self, key: str, encoded: bytes, result: ModelResult) -> None:
         try:
@@ -170,20 +343,41 @@ class ResponseCache:
         except ValueError:  # larger than the whole hot tier: the store still has it
             pass
 
+    def _semantic_scope(self) -> str:
+        """Who may share semantic entries: under ``cache.scope: per_key`` (the default) the
+        caller's API key identity, a hash set by the ingress guard; "" (everyone) when
+        shared or with auth off (no keys, so one tenant)."""
+        if self.config.scope == "shared":
+            return ""
+        return caller.current() or ""
+
+    def _vector_revision(self, embedder: ModelConfig, result: Any) -> str:
+        """The embedder revision a vector belongs to: the one its replica reported, else
+        the configured or last known one."""
+        reported = getattr(result, "revision", None)
+        if reported:
+            return str(reported)
+        if embedder.cache.revision:
+            return embedder.cache.revision
+        known = self._revisions.get(embedder.name)
+        return known.revision if known is not None else "unknown"
+
     def _hot_get(self, key: str) -> Optional[ModelResult]:
         entry = self._hot.get(key)
         return None if entry is None else entry[1]
 
     def _write_back(self, key: str, result: ModelResult, ttl_s: Optional[float], namespace: Optional[str],
-                    vector) -> None:
-        """Store a fresh answer without making the client wait for the write."""
+                    vector, question: Optional[str] = None) -> None:
+        """Store a fresh answer without making the client wait for the write; with a
+        ``namespace``, also its question's vector and text for the semantic index."""
         encoded = encode_value(result.to_wire())
         self._remember(key, encoded, result)
 
         async def write() -> None:
             await self._store_call("set", lambda store: store.set.remote(key, encoded, ttl_s))
-            if namespace is not None and vector is not None:
-                await self._store_call("semantic_add", lambda store: store.semantic_add.remote(namespace, vector, key))
+            if namespace is not None and vector is not None and question is not None:
+                await self._store_call("semantic_add",
+                                       lambda store: store.semantic_add.remote(namespace, vector, key, question))
 
         task = asyncio.create_task(write())
         self._background.add(task)
@@ -204,3 +398,41 @@ class ResponseCache:
                 logger.warning("cache %s failed (%d errors so far), serving without it: %r", what, self.errors, exc)
                 self._error_logged_at = now
             return None
+
+
+def _loaded_later(loaded_at: Optional[float], than: Optional[float]) -> bool:
+    """Whether a replica loaded at ``loaded_at`` came after one loaded at ``than``; True
+    when either is unknown (a replica that does not say: take its word, as before)."""
+    return loaded_at is None or than is None or loaded_at >= than
+
+
+def _misfit(call: ModelCall, result: ModelResult, revision: Optional[str]) -> Optional[str]:
+    """Why ``result`` cannot be the answer to ``call`` of ``revision``, or None if it can."""
+    if revision is not None and result.revision is not None and result.revision != revision:
+        return f"revision {result.revision!r}, not {revision!r}"
+    if result.prompt_tokens < 0:
+        return "negative prompt_tokens"
+    if isinstance(result, EmbedResult):
+        if len(result.embeddings) != len(call.texts):
+            return f"{len(result.embeddings)} embeddings for {len(call.texts)} inputs"
+        if not all(isinstance(row, (list, tuple)) and row for row in result.embeddings):
+            return "an embedding that is not a list of numbers"
+        vectors = np.asarray(result.embeddings)  # ragged rows raise: caught as corrupt
+        if vectors.ndim != 2 or vectors.dtype.kind != "f" or not np.isfinite(vectors).all():
+            return "embeddings that are not finite floats of one dimension"
+    elif isinstance(result, ClassifyResult):
+        inputs = call.texts if call.texts is not None else call.images
+        if len(result.rankings) != len(inputs):
+            return f"{len(result.rankings)} rankings for {len(inputs)} inputs"
+        if not all(1 <= len(row) <= call.top_k and all(math.isfinite(score) for _, score in row)
+                   for row in result.rankings):
+            return f"a ranking that is not 1 to {call.top_k} finite scores"
+    elif isinstance(result, GenerateResult):
+        if len(result.completions) != call.rows * call.n:
+            return f"{len(result.completions)} completions for {call.rows * call.n} choices"
+        for completion in result.completions:
+            if completion.finish_reason not in ("stop", "length"):  # "cancelled" is never an answer
+                return f"finish_reason {completion.finish_reason!r}"
+            if (completion.logprobs is None) != (call.logprobs is None) or completion.completion_tokens < 0:
+                return "logprobs or token counts that do not fit the request"
+    return None

@@ -95,14 +95,14 @@ class Router:
             logger.info("payload model=%s input=%s output=%s", model.name, _clip(inputs), _clip(outputs))
 
     async def _event_stream(self, model: ModelConfig, call: GenerateCall, chunks: protocol.ChunkFormat,
-                            include_usage: bool) -> StreamingResponse:
+                            include_usage: bool, deadline: float) -> StreamingResponse:
         """Server-sent events in OpenAI's chunk format for a streamed generation.
 
         The first model event is awaited here, so anything that fails before the model
         produced a token (a bad prompt, a full queue, an unavailable model) is still a
         plain HTTP error; a failure after it can only be reported in the stream.
         """
-        events = self.client.stream(model, call)
+        events = self.client.stream(model, call, deadline=deadline)
         first = await events.__anext__()
 
         async def sse() -> AsyncIterator[bytes]:
@@ -171,40 +171,48 @@ class Router:
 
     @api.post("/v1/embeddings")
     async def embeddings(self, body: EmbeddingBody, response: Response) -> dict:
+        # Each endpoint takes its deadline first: every call the request makes shares it.
+        deadline = self.client.deadline()
         model = self._model(body.model, "embedding", "/v1/embeddings")
         call = protocol.embed_call(body, model)
-        result, response.headers["x-cache"] = await self.cache.answer(model, call)
+        result, response.headers["x-cache"] = await self.cache.answer(model, call, deadline=deadline)
         self._log_payload(model, call.cache_input())
         return protocol.embeddings_response(result, model.name, body.encoding_format)
 
     @api.post("/v1/completions")
     async def completions(self, body: CompletionBody, response: Response):
+        deadline = self.client.deadline()
         model = self._model(body.model, "text-generation", "/v1/completions")
         call = protocol.completion_call(body, model)
-        return await self._generation(model, call, body, response, protocol.ChunkFormat, protocol.completion_response)
+        return await self._generation(model, call, body, response, protocol.ChunkFormat, protocol.completion_response,
+                                      deadline)
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionBody, response: Response):
+        deadline = self.client.deadline()
         model = self._model(body.model, "text-generation", "/v1/chat/completions")
         call = protocol.chat_call(body, model)
-        return await self._generation(model, call, body, response, protocol.ChatChunkFormat, protocol.chat_response)
+        return await self._generation(model, call, body, response, protocol.ChatChunkFormat, protocol.chat_response,
+                                      deadline)
 
     async def _generation(self, model: ModelConfig, call: GenerateCall, body: protocol.SamplingBody,
-                          response: Response, chunks: type, respond: Callable[[GenerateResult, str], dict]):
+                          response: Response, chunks: type, respond: Callable[[GenerateResult, str], dict],
+                          deadline: float):
         """A completion or chat answer, streamed as events or whole (through the cache)."""
         if body.stream:
-            return await self._event_stream(model, call, chunks(model.name), body.include_usage)
-        result, response.headers["x-cache"] = await self.cache.answer(model, call)
+            return await self._event_stream(model, call, chunks(model.name), body.include_usage, deadline)
+        result, response.headers["x-cache"] = await self.cache.answer(model, call, deadline=deadline)
         self._log_payload(model, call.cache_input(), [c.text for c in result.completions])
         return respond(result, model.name)
 
     @api.post("/v1/classify")
     async def classify(self, body: ClassifyBody, response: Response) -> dict:
+        deadline = self.client.deadline()
         task = body.task
         endpoint = "/v1/classify with 'input'" if task == "text-classification" else "/v1/classify with 'image'"
         model = self._model(body.model, task, endpoint)
         call = protocol.classify_call(body, model)
-        result, response.headers["x-cache"] = await self.cache.answer(model, call)
+        result, response.headers["x-cache"] = await self.cache.answer(model, call, deadline=deadline)
         logged = list(call.texts) if call.texts is not None else f"{len(call.images)} image(s)"
         self._log_payload(model, logged, result.rankings)
         return protocol.classify_response(result, model.name)

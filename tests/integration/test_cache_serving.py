@@ -20,16 +20,19 @@ def _rows(client, model="tiny-embed") -> int:
     return client.get("/v1/stats").json()["models"][model]["rows"]
 
 
-def test_identical_and_normalized_requests_hit(client):
+def test_identical_requests_hit_and_other_spellings_get_their_own_entry(client):
     text = f"cache me {uuid.uuid4().hex}"
     first = _embed(client, text)
     assert first.headers["x-cache"] == "miss"
     rows = _rows(client)
     again = _embed(client, text)
-    spaced = _embed(client, "  " + text.replace(" ", "   \n") + " ")
-    assert again.headers["x-cache"] == "hit" and spaced.headers["x-cache"] == "hit"
-    assert again.json()["data"] == first.json()["data"] == spaced.json()["data"]
+    assert again.headers["x-cache"] == "hit" and again.json()["data"] == first.json()["data"]
     assert _rows(client) == rows, "a hit must not touch the model"
+    # Keys hold the text as sent (issue 16): a full-width spelling (NFKC: the same text) is
+    # [UNK] to MiniLM's tokenizer, so it must be computed, not answered with the ASCII text's vector.
+    wide = _embed(client, text.replace("cache me", "\uff43\uff41\uff43\uff48\uff45 me"))
+    assert wide.headers["x-cache"] == "miss"
+    assert wide.json()["data"][0]["embedding"] != first.json()["data"][0]["embedding"]
 
 
 def test_sampling_without_seed_is_never_cached(client):
@@ -88,6 +91,22 @@ def test_semantic_paraphrase_hits_and_unrelated_misses(deployed):
         assert http.post("/v1/chat/completions", json=unrelated).headers["x-cache"] == "miss"
         other_params = {**paraphrase, "max_tokens": 4}
         assert http.post("/v1/chat/completions", json=other_params).headers["x-cache"] == "miss"
+
+
+def test_semantic_cache_never_answers_another_question_or_endpoint(deployed):
+    # Both seen on the landed code (issue 16): "unsafe" answered with "safe"'s answer at
+    # cosine 0.99, and a completion "user: X" answered from the chat's entry for X.
+    body = {"model": "smollm2", "max_tokens": 8, "temperature": 0}
+    with httpx.Client(base_url=f"{deployed}/local", timeout=120) as http:
+        http.delete("/v1/cache/smollm2")
+        safe = {**body, "messages": [{"role": "user", "content": "Is it safe to mix bleach and ammonia?"}]}
+        assert http.post("/v1/chat/completions", json=safe).headers["x-cache"] == "miss"
+        unsafe = {**body, "messages": [{"role": "user", "content": "Is it unsafe to mix bleach and ammonia?"}]}
+        assert http.post("/v1/chat/completions", json=unsafe).headers["x-cache"] == "miss"
+        as_prompt = {**body, "prompt": "user: Is it safe to mix bleach and ammonia?"}
+        assert http.post("/v1/completions", json=as_prompt).headers["x-cache"] == "miss"
+        other_system = {**body, "messages": [{"role": "system", "content": "Answer in French."}, safe["messages"][0]]}
+        assert http.post("/v1/chat/completions", json=other_system).headers["x-cache"] == "miss"
 
 
 def test_redis_dying_mid_traffic_loses_no_request(deployed, tiny_app, private_redis, redeploy_apps):

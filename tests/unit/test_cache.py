@@ -23,7 +23,6 @@ from serve_app.core.cache import (
     SingleFlight,
     cache_key,
     canonical_payload,
-    canonical_text,
     decode_value,
     encode_value,
     is_cacheable,
@@ -112,17 +111,12 @@ RESPONSES = [EMBEDDING_RESPONSE, CHAT_RESPONSE, COMPLETION_RESPONSE, CLASSIFY_RE
 # ---- canonicalization and keys ---------------------------------------------------------
 
 
-def test_canonical_text_normalizes_unicode_and_whitespace_but_not_case():
-    assert canonical_text("  Hello \t\n  world \u00a0 ") == "Hello world"
-    assert canonical_text("\uff28\uff45\uff4c\uff4c\uff4f") == "Hello"  # full-width letters (NFKC)
-    assert canonical_text("caf\u0065\u0301") == canonical_text("caf\u00e9")  # combining accent
-    assert canonical_text("Hello") != canonical_text("hello")
-
-
-def test_variants_of_one_text_share_a_key():
+def test_variants_of_one_text_get_their_own_keys():
+    # Issue 16: a tokenizer sees these differently (full-width letters are [UNK] to BERT),
+    # so they must not share an answer; keys use the text exactly as sent.
     variants = ["Hello world", "  Hello   world\n", "Hello\u3000world", "\uff28ello world"]
-    assert len({key(v) for v in variants}) == 1
-    assert len({key([v, "second  text"]) for v in variants}) == 1
+    assert len({key(v) for v in variants}) == len(variants)
+    assert len({key([v, "second  text"]) for v in variants}) == len(variants)
     assert key("Hello world") != key("hello world")
 
 
@@ -156,17 +150,20 @@ def test_greedy_generation_ignores_seed_and_top_p():
     )
 
 
-def test_chat_message_order_matters_and_only_unicode_form_is_normalized():
+def test_chat_message_order_matters_and_text_is_kept_exactly():
     m1 = {"role": "user", "content": "Caf\u0065\u0301  there\r\nok"}  # decomposed é, CRLF
     m2 = {"role": "assistant", "content": "Hello"}
     a = key([m1, m2], task="text-generation", params=GREEDY)
     assert key([m2, m1], task="text-generation", params=GREEDY) != a
+    # Issue 16: NFC and CRLF->LF change a byte-level BPE's tokens, so they change the key.
     composed = [{"content": "Caf\u00e9  there\nok", "role": "user"}, m2]
-    assert key(composed, task="text-generation", params=GREEDY) == a
+    assert key(composed, task="text-generation", params=GREEDY) != a
+    assert key([{"content": "Caf\u0065\u0301  there\r\nok", "role": "user"}, m2],
+               task="text-generation", params=GREEDY) == a  # dict order is not the input
     # An LLM tokenizes whitespace: "a  b" and "a b" are different prompts.
     collapsed = [{"content": "Caf\u00e9 there\nok", "role": "user"}, m2]
     assert key(collapsed, task="text-generation", params=GREEDY) != a
-    assert canonical_payload("text-generation", [m1]) == [{"role": "user", "content": "Caf\u00e9  there\nok"}]
+    assert canonical_payload("text-generation", [m1]) == [m1]
 
 
 def test_whitespace_in_params_is_kept():
@@ -196,11 +193,18 @@ def test_is_cacheable():
         assert is_cacheable(task, {"temperature": 1.0})
 
 
+_NS = dict(model="m", revision="r1", task="text-generation", params=GREEDY, endpoint="chat",
+           context=[{"role": "system", "content": "be brief"}], embedder="e", embedder_revision="er1", scope="")
+
+
 def test_semantic_namespace():
-    ns = semantic_namespace(model="m", revision="r1", task="text-generation", params=GREEDY)
+    ns = semantic_namespace(**_NS)
     assert ns.startswith("m:r1:")
-    assert ns != semantic_namespace(model="m", revision="r2", task="text-generation", params=GREEDY)
-    assert ns != semantic_namespace(model="m", revision="r1", task="text-generation", params={**GREEDY, "max_tokens": 2})
+    # Everything but the last question is matched exactly: each part changes the namespace.
+    for change in (dict(revision="r2"), dict(params={**GREEDY, "max_tokens": 2}), dict(endpoint="completions"),
+                   dict(context=[{"role": "system", "content": "be long"}]), dict(context=[]),
+                   dict(embedder="e2"), dict(embedder_revision="er2"), dict(scope="key-hash")):
+        assert ns != semantic_namespace(**{**_NS, **change}), change
 
 
 # ---- values ------------------------------------------------------------------------------
@@ -521,54 +525,54 @@ def test_semantic_index_finds_near_duplicates_only():
     rng = np.random.default_rng(0)
     index = SemanticIndex(threshold=0.95)
     base = _rng_unit(rng)
-    index.add("ns", (base * 3.0).tolist(), "k-base")  # scale does not matter
+    index.add("ns", (base * 3.0).tolist(), "k-base", "q")  # scale does not matter
     for i in range(20):
-        index.add("ns", _rng_unit(rng).tolist(), f"k{i}")
+        index.add("ns", _rng_unit(rng).tolist(), f"k{i}", "q")
     near = base + 0.05 * _rng_unit(rng)
-    found = index.lookup("ns", near)
+    found = index.lookup("ns", near, "q")
     assert found is not None and found[0] == "k-base" and found[1] >= 0.95
     orthogonal = _rng_unit(rng)
     orthogonal -= orthogonal.dot(base) * base
-    assert index.lookup("ns", orthogonal) is None
-    assert index.lookup("ns", np.zeros(64)) is None
-    assert index.lookup("ns", np.ones(3)) is None  # another dimension: no match
+    assert index.lookup("ns", orthogonal, "q") is None
+    assert index.lookup("ns", np.zeros(64), "q") is None
+    assert index.lookup("ns", np.ones(3), "q") is None  # another dimension: no match
     with pytest.raises(ValueError):
-        index.add("ns", np.ones(3), "bad")
+        index.add("ns", np.ones(3), "bad", "q")
 
 
 def test_semantic_index_namespaces_are_isolated_and_droppable():
     index = SemanticIndex(threshold=0.9)
     v = [1.0, 0.0, 0.0]
-    ns_a = semantic_namespace(model="a", revision="r1", task="embedding", params={})
-    ns_a2 = semantic_namespace(model="a", revision="r2", task="embedding", params={})
-    ns_ab = semantic_namespace(model="a:b", revision="r1", task="embedding", params={})
-    ns_b = semantic_namespace(model="b", revision="r1", task="embedding", params={})
-    index.add(ns_a, v, "ka")
-    index.add(ns_a2, v, "ka2")
-    index.add(ns_ab, v, "kab")
-    assert index.lookup(ns_a, v) == ("ka", 1.0)
-    assert index.lookup(ns_b, v) is None
+    ns_a = semantic_namespace(**{**_NS, "model": "a"})
+    ns_a2 = semantic_namespace(**{**_NS, "model": "a", "revision": "r2"})
+    ns_ab = semantic_namespace(**{**_NS, "model": "a:b"})
+    ns_b = semantic_namespace(**{**_NS, "model": "b"})
+    index.add(ns_a, v, "ka", "q")
+    index.add(ns_a2, v, "ka2", "q")
+    index.add(ns_ab, v, "kab", "q")
+    assert index.lookup(ns_a, v, "q") == ("ka", 1.0)
+    assert index.lookup(ns_b, v, "q") is None
     assert index.drop_prefix("a") == 2
-    assert index.lookup(ns_a, v) is None and index.lookup(ns_a2, v) is None
-    assert index.lookup(ns_ab, v) == ("kab", 1.0)
+    assert index.lookup(ns_a, v, "q") is None and index.lookup(ns_a2, v, "q") is None
+    assert index.lookup(ns_ab, v, "q") == ("kab", 1.0)
 
 
 def test_semantic_index_capacity_evicts_oldest():
     index = SemanticIndex(max_entries_per_namespace=150, threshold=0.999)
     eye = np.eye(200, dtype=np.float32)
     for i in range(200):  # grows past its first allocation, then wraps
-        index.add("ns", eye[i], f"k{i}")
+        index.add("ns", eye[i], f"k{i}", "q")
     assert len(index) == 150
     for i in range(50):
-        assert index.lookup("ns", eye[i]) is None
+        assert index.lookup("ns", eye[i], "q") is None
     for i in range(50, 200):
-        assert index.lookup("ns", eye[i]) == (f"k{i}", 1.0)
-    index.add("ns", eye[0], "k0")  # evicts k50, the oldest left
-    assert index.lookup("ns", eye[50]) is None and index.lookup("ns", eye[0]) == ("k0", 1.0)
-    index.add("ns", eye[1], "k0")  # same key again: its vector is replaced, nothing evicted
-    assert index.lookup("ns", eye[0]) is None and index.lookup("ns", eye[1]) == ("k0", 1.0)
-    assert index.lookup("ns", eye[51]) == ("k51", 1.0)
-    assert index.discard("ns", "k0") and index.lookup("ns", eye[1]) is None
+        assert index.lookup("ns", eye[i], "q") == (f"k{i}", 1.0)
+    index.add("ns", eye[0], "k0", "q")  # evicts k50, the oldest left
+    assert index.lookup("ns", eye[50], "q") is None and index.lookup("ns", eye[0], "q") == ("k0", 1.0)
+    index.add("ns", eye[1], "k0", "q")  # same key again: its vector is replaced, nothing evicted
+    assert index.lookup("ns", eye[0], "q") is None and index.lookup("ns", eye[1], "q") == ("k0", 1.0)
+    assert index.lookup("ns", eye[51], "q") == ("k51", 1.0)
+    assert index.discard("ns", "k0") and index.lookup("ns", eye[1], "q") is None
 
 
 # ---- single-flight ---------------------------------------------------------------------

@@ -46,6 +46,7 @@ from serve_app.ingress.middleware import IngressGuard, IngressState, RequestObse
 from serve_app.ingress.model_client import ModelClient
 from serve_app.ingress.notes import note
 from serve_app.ingress.response_cache import ResponseCache
+from handle_fakes import Pending, Remote
 
 
 def _model(task: str = "text-generation", name: str = "m", **extra) -> ModelConfig:
@@ -63,7 +64,6 @@ def test_chat_body_becomes_one_typed_call_with_the_model_defaults():
     call = protocol.chat_call(body, model)
     assert call == GenerateCall(max_tokens=7, sampling=SamplingParams(temperature=0, top_p=1.0, seed=3),
                                 messages=(ChatTurn("system", "be brief"), ChatTurn("user", "hi")), stop=("END",))
-    assert call.semantic_text() == "system: be brief\nuser: hi"
     assert protocol.chat_call(body.model_copy(update={"max_completion_tokens": 5, "max_tokens": 9}), model).max_tokens == 5
 
 
@@ -241,25 +241,6 @@ def test_ingress_state_defaults_to_open_until_the_router_sets_it():
 # ---- the model client ---------------------------------------------------------------
 
 
-class _Pending:
-    """A DeploymentResponse stand-in: awaitable once, cancellable."""
-
-    def __init__(self, outcome, delay_s: float = 0.0):
-        self.outcome, self.delay_s, self.cancelled = outcome, delay_s, False
-
-    def __await__(self):
-        return self._run().__await__()
-
-    async def _run(self):
-        await asyncio.sleep(self.delay_s)
-        if isinstance(self.outcome, BaseException):
-            raise self.outcome
-        return self.outcome
-
-    def cancel(self):
-        self.cancelled = True
-
-
 class _Stream:
     def __init__(self, events):
         self.events, self.cancelled = list(events), False
@@ -288,7 +269,7 @@ class _Backend:
 
     def infer(self, call):
         self.calls.append(call)
-        self.pending.append(_Pending(self.outcomes.pop(0), self.delay_s))
+        self.pending.append(Pending(self.outcomes.pop(0), self.delay_s))
         return self.pending[-1]
 
     def infer_stream(self, call):
@@ -297,10 +278,10 @@ class _Backend:
 
     def info(self):
         self.calls.append("info")
-        return _Pending(self.model_info)
+        return Pending(self.model_info)
 
     def stats(self):
-        return _Pending({"rows": 0})
+        return Pending({"rows": 0})
 
 
 _LOST = ActorUnavailableError("replica died", None)
@@ -362,14 +343,6 @@ def test_stream_retries_only_before_the_first_event():
 # ---- the response cache ---------------------------------------------------------------
 
 
-class _Remote:
-    def __init__(self, fn):
-        self.fn = fn
-
-    def remote(self, *args):
-        return self.fn(*args)
-
-
 class _StoreHandle:
     """A CacheServer handle stand-in over a dict; ``fail`` makes every call raise."""
 
@@ -377,7 +350,7 @@ class _StoreHandle:
         self.entries: dict[str, bytes] = {}
         self.fail = False
         for name in ("get", "set", "semantic_get", "semantic_add", "drop_model", "stats"):
-            setattr(self, name, _Remote(getattr(self, f"_{name}")))
+            setattr(self, name, Remote(getattr(self, f"_{name}")))
 
     async def _check(self):
         if self.fail:

@@ -2,17 +2,18 @@
 
 The router asks the cache before it asks a model (see DESIGN.md):
 
-1. :func:`cache_key` turns (model, revision, task, input, params) into a key. Inputs are
-   canonicalized first (:func:`canonical_payload`), so whitespace and Unicode variants of
-   one text share an entry. The model's name leads the key so one model's entries can be
+1. :func:`cache_key` turns (model, revision, task, input, params) into a key. Texts enter
+   it exactly as sent (:func:`canonical_payload`): a Unicode or whitespace variant can
+   tokenize differently, so it gets its own entry. The model's name leads the key so one model's entries can be
    dropped by prefix; the revision follows, so entries of an old revision become
    unreachable the moment a new revision loads (they then age out by TTL).
 2. A :class:`CacheStore` holds the encoded answers (:func:`encode_value`, msgpack, never
    pickle): :class:`MemoryStore` in-process, :class:`RedisStore` shared. Wrap either in
    :class:`ResilientStore` so a slow or dead store turns into cache misses, never into
    failed requests.
-3. :class:`SemanticIndex` (opt-in per model) finds an earlier request whose embedding is
-   close enough to reuse its answer.
+3. :class:`SemanticIndex` (opt-in per model) finds an earlier request that asks the same
+   question: its context matched exactly (:func:`semantic_namespace`), its last user
+   turn close by embedding and accepted by a guard (``semantic.same_question``).
 4. :class:`SingleFlight` lets identical requests that are in flight at the same time
    share one model call.
 
@@ -24,7 +25,6 @@ from serve_app.core.cache.flight import SingleFlight
 from serve_app.core.cache.keys import (
     cache_key,
     canonical_payload,
-    canonical_text,
     is_cacheable,
     semantic_namespace,
 )
@@ -41,7 +41,6 @@ __all__ = [
     "SingleFlight",
     "cache_key",
     "canonical_payload",
-    "canonical_text",
     "decode_value",
     "encode_value",
     "is_cacheable",

@@ -5,42 +5,23 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import re
-import unicodedata
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
-_WHITESPACE = re.compile(r"\s+")
+from serve_app.core.cache.values import VALUE_SCHEMA
 
 
-def canonical_text(text: str) -> str:
-    """NFKC-normalize, collapse every whitespace run to one space, strip the ends.
-
-    Case is kept: it can change a model's answer.
-    """
-    return _WHITESPACE.sub(" ", unicodedata.normalize("NFKC", text)).strip()
-
-
-def exact_text(text: str) -> str:
-    """NFC-normalize and unify line endings only: for prompts whose whitespace matters."""
-    return unicodedata.normalize("NFC", text).replace("\r\n", "\n")
-
-
-def _same(text: str) -> str:
-    return text
-
-
-def _canonical(value: Any, text: Callable[[str], str] = _same) -> Any:
-    """JSON-ready form of a value: strings through ``text``, bytes hashed, order kept."""
+def _canonical(value: Any) -> Any:
+    """JSON-ready form of a value: strings as they are, bytes hashed, order kept."""
     if isinstance(value, str):
-        return text(value)
+        return value
     if isinstance(value, (bytes, bytearray, memoryview)):
         return hashlib.sha256(value).hexdigest()
     if isinstance(value, np.ndarray):
-        return _canonical(value.tolist(), text)
+        return _canonical(value.tolist())
     if isinstance(value, np.generic):
-        return _canonical(value.item(), text)
+        return _canonical(value.item())
     if isinstance(value, float):
         # 1 and 1.0 are the same parameter; NaN/inf would make non-standard JSON.
         if math.isfinite(value) and value.is_integer():
@@ -49,22 +30,25 @@ def _canonical(value: Any, text: Callable[[str], str] = _same) -> Any:
     if value is None or isinstance(value, (bool, int)):
         return value
     if isinstance(value, dict):
-        return {str(k): _canonical(v, text) for k, v in value.items()}
+        return {str(k): _canonical(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_canonical(v, text) for v in value]
+        return [_canonical(v) for v in value]
     raise TypeError(f"cannot build a cache key from a {type(value).__name__}: {value!r:.80}")
 
 
 def canonical_payload(task: str, payload: Any) -> Any:
     """The canonical form of a request's input, ready for canonical JSON.
 
-    Texts for encoders (embedding, classification) go through :func:`canonical_text`:
-    their tokenizers split on whitespace, so runs of it cannot change the answer. Prompts
-    for text generation only get :func:`exact_text`: an LLM tokenizes "a\nb" and "a b"
-    differently, and a code or poem prompt must not get another prompt's answer. Lists
-    and chat messages keep their order; image bytes become their sha256 hex digest.
+    Texts are kept exactly as sent, for every task: the key must change whenever what
+    the model sees can. No normalisation of text is provably invisible to every
+    tokenizer we serve: NFKC and whitespace collapsing change BERT's tokens
+    (``ＡＢＣ １２３`` is ``[UNK] [UNK]``, ``ABC 123`` is not), NFC and CRLF->LF change a
+    byte-level BPE's. A variant costs one extra model call; a shared key would serve
+    another input's answer. Lists and chat messages keep their order; image bytes
+    become their sha256 hex digest. ``task`` is kept for callers (and a future
+    tokenizer-proven normalisation).
     """
-    return _canonical(payload, exact_text if task == "text-generation" else canonical_text)
+    return _canonical(payload)
 
 
 def is_cacheable(task: str, params: dict) -> bool:
@@ -102,22 +86,33 @@ def _model_part(model: str) -> str:
 
 
 def cache_key(*, model: str, revision: str, task: str, payload: Any, params: dict) -> str:
-    """``f"{model}:{revision}:{sha256 hex}"`` of the canonical ``[task, input, params]``.
+    """``f"{model}:{revision}:{sha256 hex}"`` of the canonical ``[schema, task, input, params]``.
 
     Params are hashed with sorted keys; for greedy generation (temperature 0) the seed and
     top_p are left out since they cannot change the answer. Raises TypeError for a value
     that has no canonical form (rather than risk two inputs sharing a key).
     """
-    body = [task, canonical_payload(task, payload), _canonical(_key_params(task, params or {}))]
+    # VALUE_SCHEMA leads the hashed body: entries written in another value layout (by an
+    # older or newer version of this code, sharing a Redis) are never read as this one's.
+    body = [VALUE_SCHEMA, task, canonical_payload(task, payload), _canonical(_key_params(task, params or {}))]
     digest = hashlib.sha256(_canonical_json(body)).hexdigest()
     return f"{_model_part(model)}:{revision}:{digest}"
 
 
-def semantic_namespace(*, model: str, revision: str, task: str, params: dict) -> str:
-    """The :class:`SemanticIndex` namespace for one model, revision, task and params.
+def semantic_namespace(*, model: str, revision: str, task: str, params: dict, endpoint: str, context: Any,
+                       embedder: str, embedder_revision: str, scope: str) -> str:
+    """The :class:`SemanticIndex` namespace: everything two requests must share *exactly*
+    for one's answer to be reused for the other, whose last questions are merely similar.
 
-    Starts with the model, like :func:`cache_key`, so ``drop_prefix(model)`` finds it.
+    That is the model and its revision, the task, every param that enters the exact key,
+    the ``endpoint`` ("chat" or "completions": a prompt "user: X" is not the chat X), the
+    ``context`` (every chat message before the last user turn, system prompt included,
+    hashed exactly as the exact key hashes them), the embedder's name and revision (a
+    vector of another embedder, or of another revision of it, is not comparable), and
+    the caller's ``scope`` (a hash of the API key under ``cache.scope: per_key``, "" when
+    shared). Starts with the model, like :func:`cache_key`, so ``drop_prefix(model)`` finds it.
     """
-    body = [task, _canonical(_key_params(task, params or {}))]
+    body = ["semantic-2", task, _canonical(_key_params(task, params or {})), endpoint,
+            canonical_payload(task, context), _model_part(embedder), embedder_revision, scope]
     digest = hashlib.sha256(_canonical_json(body)).hexdigest()[:32]
     return f"{_model_part(model)}:{revision}:{digest}"

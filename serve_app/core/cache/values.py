@@ -7,6 +7,13 @@ from typing import Any
 import msgpack
 import numpy as np
 
+# The layout of a cached value (a result type's to_wire map, serve_app.core.calls). It
+# is part of every cache key, so bump it whenever a result type gains, loses or changes
+# a field: entries of the old layout then are never read (they age out by TTL), instead
+# of failing to decode, or worse decoding into a wrong answer.
+# 2: results carry the revision of the replica that computed them.
+VALUE_SCHEMA = 2
+
 
 def _msgpack_default(obj: Any) -> Any:
     if isinstance(obj, np.ndarray):
