@@ -101,7 +101,9 @@ class _Row:
         self.request = request
         self.sink = sink
         self.limit = limit  # max_tokens capped by the context window
-        self.kv_cost = len(request.prompt_ids) + limit  # the most cache columns this row can come to hold
+        # The most cache columns this row can come to hold: its prompt, then one per decode
+        # step; the last sampled token is never fed back, so limit - 1 of its tokens.
+        self.kv_cost = len(request.prompt_ids) + max(0, limit - 1)
         self.stream = stream
         temperature = params.temperature
         self.temperature = float(temperature) if temperature is not None and temperature > 0 else 0.0
@@ -361,6 +363,9 @@ class ContinuousBatcher:
         admitted: list[_Row] = []
         now = time.monotonic()
         with self._lock:
+            # Joining from the moment a row leaves the queue: should anything below raise,
+            # the step's failure path ends the rows popped so far instead of losing them.
+            self._joining = admitted
             batch = [(r.cached_len, r.kv_cost) for r in self._active]
             while self._waiting and len(self._active) + len(admitted) < self.max_rows:
                 row = self._waiting[0]
@@ -373,7 +378,6 @@ class ContinuousBatcher:
                 batch = candidate
                 row.handle.admitted_at = now
                 self._rows_admitted += 1
-            self._joining = admitted
             self._kv_reserved = kv_cache.peak_slots(batch)
         return admitted
 

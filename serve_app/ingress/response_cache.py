@@ -186,7 +186,13 @@ class ResponseCache:
 
         async def compute_and_store() -> ModelResult:
             result = await self.client.infer(model, call, deadline=deadline)
-            computed_by = getattr(result, "revision", None) or revision
+            computed_by = getattr(result, "revision", None)
+            if computed_by is None and not model.cache.revision:
+                # A replica of code older than results that carry a revision (the first
+                # rolling update onto this version): whose answer it is cannot be told,
+                # so it is not cached at all.
+                return result
+            computed_by = computed_by or revision
             self._saw_revision(model, computed_by)
             if computed_by == revision:
                 # Inside the flight, so that from the moment the flight ends the answer is
@@ -401,9 +407,12 @@ class ResponseCache:
 
 
 def _loaded_later(loaded_at: Optional[float], than: Optional[float]) -> bool:
-    """Whether a replica loaded at ``loaded_at`` came after one loaded at ``than``; True
-    when either is unknown (a replica that does not say: take its word, as before)."""
-    return loaded_at is None or than is None or loaded_at >= than
+    """Whether a replica loaded at ``loaded_at`` came after one loaded at ``than``. A
+    replica that does not say is older code than one that does (``loaded_at`` came with
+    answer revisions), so it is later only if neither says."""
+    if loaded_at is None:
+        return than is None
+    return than is None or loaded_at >= than
 
 
 def _misfit(call: ModelCall, result: ModelResult, revision: Optional[str]) -> Optional[str]:

@@ -15,9 +15,20 @@ from serve_app.core.errors import InvalidRequestError
 _TOKENIZER_THREAD = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
 
 
+# Image decoding and resizing, off the event loop too, two requests at a time: each may
+# hold up to 64 megapixels (about 200 MB as RGB) while it decodes, so an unbounded pool
+# could take gigabytes under a burst of large images.
+_IMAGE_THREADS = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="decode-image")
+
+
 async def in_tokenizer_thread(fn: Callable[..., Any], *args: Any) -> Any:
     """``fn(*args)`` in the replica's tokenizer thread, off the event loop."""
     return await asyncio.get_running_loop().run_in_executor(_TOKENIZER_THREAD, fn, *args)
+
+
+async def in_image_thread(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` in one of the replica's image-decoding threads, off the event loop."""
+    return await asyncio.get_running_loop().run_in_executor(_IMAGE_THREADS, fn, *args)
 
 
 def encode_each(fn: Callable[[Any], Any], values: Sequence[Any], field: str) -> list[Any]:

@@ -56,7 +56,7 @@ from serve_app.core.models.sources import model_revision, resolve_source
 from serve_app.core.static_batch import Row, batch_cost, expired, new_row, run_static_batch
 from serve_app.metrics import BatchMetrics
 from serve_app.replica.engines import make_engine, static_generate
-from serve_app.replica.inputs import encode_each, in_tokenizer_thread
+from serve_app.replica.inputs import encode_each, in_image_thread, in_tokenizer_thread
 from serve_app.replica.stats import ReplicaObserver
 # vllm_engine imports vLLM itself only when a model starts on it.
 from serve_app.replica.vllm_engine import VLLMEmbedder, VLLMEngine, VLLMRuntime, start_vllm, vllm_unavailable
@@ -362,7 +362,7 @@ class ModelServer:
     async def _classify_images(self, call: ClassifyCall) -> ClassifyResult:
         # Decoding and resizing take up to seconds per image: off the event loop, which
         # keeps serving the replica's other requests meanwhile.
-        pixels = await asyncio.to_thread(encode_each, self.runtime.decode, call.images, "image")
+        pixels = await in_image_thread(encode_each, self.runtime.decode, call.images, "image")
         # Every image is resized to the same shape, so each row costs the same.
         ranked = await self._submit([new_row(p, 1, self.batching, deadline=call.deadline) for p in pixels])
         return ClassifyResult(rankings=[r[:call.top_k] for r in ranked], prompt_tokens=0)

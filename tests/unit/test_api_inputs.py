@@ -428,3 +428,14 @@ def test_healthz_lists_failed_models_without_serves_messages(monkeypatch, caplog
         run(service.health())
     assert not [r for r in caplog.records if "secret-models" in r.getMessage()]
     assert run(service.deployment_states())["broken"]["message"] == message
+
+
+def test_the_draft_keeps_the_side_a_crop_pct_processor_resizes_to_first():
+    from types import SimpleNamespace
+
+    from serve_app.core.models.encoders import _draft_side
+
+    # ConvNeXt-style: resize the short side to 224 / 0.875 = 256, then crop 224.
+    convnext = SimpleNamespace(size={"shortest_edge": 224}, crop_size={"height": 224, "width": 224}, crop_pct=0.875)
+    assert _draft_side(convnext) >= 256
+    assert _draft_side(SimpleNamespace(size={"height": 224, "width": 224}, crop_size=None)) == 224

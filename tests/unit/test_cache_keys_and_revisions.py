@@ -42,18 +42,27 @@ GREEDY = {"max_tokens": 8, "temperature": 0, "top_p": 1.0, "stop": [], "seed": N
 # ---- fakes ---------------------------------------------------------------------------
 
 
+def _stamped(answer, info):
+    """``answer`` as a replica of ``info`` returns it: with its revision (ModelServer.infer)."""
+    if info is not None and dataclasses.is_dataclass(answer) and getattr(answer, "revision", "") is None:
+        return dataclasses.replace(answer, revision=info.revision)
+    return answer
+
+
 class _Backend:
     """A model deployment: ``answers`` in order for infer, ``infos`` in order for info
-    (the last one repeats), each with its own delay."""
+    (the last one repeats), each with its own delay; answers get the current info's
+    revision, as ModelServer.infer stamps them, unless ``stamp`` is off (older code)."""
 
-    def __init__(self, *answers, infos=(), infer_delay_s=0.0, info_delay_s=0.0):
-        self.answers, self.infos = list(answers), list(infos)
+    def __init__(self, *answers, infos=(), infer_delay_s=0.0, info_delay_s=0.0, stamp=True):
+        self.answers, self.infos, self.stamp = list(answers), list(infos), stamp
         self.infer_delay_s, self.info_delay_s = infer_delay_s, info_delay_s
         self.calls: list = []
 
     def infer(self, call):
         self.calls.append(call)
-        return Pending(self.answers.pop(0), self.infer_delay_s)
+        info = self.infos[0] if self.infos and self.stamp else None
+        return Pending(_stamped(self.answers.pop(0), info), self.infer_delay_s)
 
     def infer_stream(self, call):
         raise NotImplementedError
@@ -207,6 +216,26 @@ def test_the_known_revision_never_goes_back_to_a_replica_loaded_earlier():
         assert await cache._revision(model) == "rev-new"  # an old replica answered the re-read
         await asyncio.sleep(0.01)
         assert await cache._revision(model) == "rev-rollback"  # loaded later: taken
+
+    asyncio.run(scenario())
+
+
+def test_during_the_update_onto_this_code_old_replicas_neither_write_nor_pull_the_revision_back():
+    async def scenario():
+        store = _Store()
+        # An old replica: its info has no loaded_at and its answers no revision.
+        old_info = dataclasses.replace(_info("rev-old"), loaded_at=None)
+        backend = _Backend(GenerateResult([calls.Completion("old", "stop", 2, 1)]),
+                           infos=[_info("rev-new", loaded_at=200.0), old_info], stamp=False)
+        cache = _cache({"m": backend}, store, revision_refresh_s=0.001)
+        model = cache.models["m"]
+        assert await cache._revision(model) == "rev-new"
+        result, header = await cache.answer(model, CALL)
+        await _settle()
+        assert (result.completions[0].text, header) == ("old", "miss")
+        assert store.entries == {}, "whose answer it is cannot be told: it is not cached"
+        await asyncio.sleep(0.01)
+        assert await cache._revision(model) == "rev-new"  # the old replica does not pull it back
 
     asyncio.run(scenario())
 

@@ -330,6 +330,14 @@ def test_an_unexpected_error_in_admission_ends_the_running_rows_and_the_engine_g
     _check_all_ended_and_engine_serves(llm, batcher, running, joining)
 
 
+def test_an_error_in_admission_after_a_row_left_the_queue_ends_that_row_too(llm):
+    # The second peak_slots call raises after the first joining row was popped from the
+    # queue: that row must end (with the error), not vanish between queue and batch.
+    batcher, running, joining = _run_with(llm, _fail_once(kv_cache, "peak_slots", on_call=2))
+    assert isinstance(joining[0].outcome, RuntimeError)
+    _check_all_ended_and_engine_serves(llm, batcher, running, joining)
+
+
 # --------------------------------------------------------------------------- item 18: generation_config
 
 

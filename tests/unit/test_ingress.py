@@ -269,7 +269,10 @@ class _Backend:
 
     def infer(self, call):
         self.calls.append(call)
-        self.pending.append(Pending(self.outcomes.pop(0), self.delay_s))
+        outcome = self.outcomes.pop(0)
+        if self.model_info is not None and dataclasses.is_dataclass(outcome) and outcome.revision is None:
+            outcome = dataclasses.replace(outcome, revision=self.model_info.revision)  # as ModelServer.infer
+        self.pending.append(Pending(outcome, self.delay_s))
         return self.pending[-1]
 
     def infer_stream(self, call):
@@ -385,7 +388,9 @@ _INFO = ModelInfo(name="m", task="text-generation", revision="rev1", max_input_t
 
 
 def _answer(text: str) -> GenerateResult:
-    return GenerateResult([Completion(text=text, finish_reason="stop", prompt_tokens=2, completion_tokens=1)])
+    """An answer as a replica of _INFO returns it (with its revision: ModelServer.infer)."""
+    return GenerateResult([Completion(text=text, finish_reason="stop", prompt_tokens=2, completion_tokens=1)],
+                          revision=_INFO.revision)
 
 
 def _cache(backend, store, **cache) -> ResponseCache:

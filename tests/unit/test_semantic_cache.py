@@ -79,11 +79,12 @@ def test_semantic_request_splits_context_from_the_question():
             {"role": "assistant", "content": "hello"}, {"role": "user", "content": "X?"}]
     asked = semantic_request(prompts=None, messages=chat)
     assert (asked.endpoint, asked.context, asked.question) == ("chat", chat[:-1], "X?")
-    assert semantic_request(prompts=["user: X?"], messages=None).endpoint == "completions"
+    # A raw prompt is text to continue: "return x *" and "return x **" continue differently.
+    assert semantic_request(prompts=["def f(x):\n    return x *"], messages=None) is None
     assert semantic_request(prompts=None, messages=chat[:-1]) is None  # ends with an assistant turn
-    assert semantic_request(prompts=["a", "b"], messages=None) is None
-    assert semantic_request(prompts=["x" * (MAX_QUESTION_CHARS + 1)], messages=None) is None
-    assert semantic_request(prompts=["  "], messages=None) is None
+    long = [{"role": "user", "content": "x" * (MAX_QUESTION_CHARS + 1)}]
+    assert semantic_request(prompts=None, messages=long) is None
+    assert semantic_request(prompts=None, messages=[{"role": "user", "content": "  "}]) is None
 
 
 # ---- the router against a real CacheServer -------------------------------------------------
@@ -245,7 +246,7 @@ def test_completions_and_chat_never_share_semantic_entries():
                                   prompts=("user: What is the capital of France?",))
         assert (await _ask(cache, completion))[1] == "miss"
         plain = GenerateCall(max_tokens=8, sampling=SamplingParams(0), prompts=("What is the capital of France",))
-        assert (await _ask(cache, plain))[1] == "miss"  # the completions namespace holds "user: ..." only
+        assert (await _ask(cache, plain))[1] == "miss"  # completions are answered exactly or not at all
         # Within one endpoint a rephrasing hits: the endpoint is the only difference above.
         assert (await _ask(cache, _chat(("user", "what is the capital of france"))))[1] == "semantic"
 
@@ -382,3 +383,9 @@ def test_add_wraps_onto_a_discarded_row():
     index.add("ns", eye[3], "d", "q")  # b is the oldest now
     assert index.lookup("ns", eye[1], "q") is None and index.lookup("ns", eye[2], "q") == ("c", 1.0)
     assert len(index) == 2
+
+
+def test_a_hyphen_joins_words_but_is_a_minus_elsewhere():
+    assert question_difference("What are the side-effects of aspirin?", "What are the side effects of aspirin?") is None
+    for a, b in [("What is x-y?", "What is x y?"), ("Is 1e-3 big?", "Is 1e3 big?"), ("Is -5 big?", "Is 5 big?")]:
+        assert question_difference(a, b) == "symbol", (a, b)

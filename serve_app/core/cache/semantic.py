@@ -3,9 +3,9 @@
 Two requests may share an answer only if everything but their last user turn is
 identical and the two last turns ask the same thing. So:
 
-1. :func:`semantic_request` splits a generation call into its *context* (endpoint,
-   system prompt, earlier turns) and its *question* (the last user turn, or the single
-   prompt of a completion). The context is matched exactly: it is hashed into the
+1. :func:`semantic_request` splits a chat into its *context* (endpoint, system
+   prompt, earlier turns) and its *question* (the last user turn); a completion's raw
+   prompt is text to continue, answered exactly or not at all. The context is matched exactly: it is hashed into the
    namespace (:func:`~serve_app.core.cache.keys.semantic_namespace`, with the model,
    revision, params, the embedder's name and revision, and the caller's scope).
    Embedding a whole conversation instead would make long shared histories look alike
@@ -47,24 +47,24 @@ MAX_QUESTION_CHARS = 1000
 class SemanticRequest:
     """A generation call as the semantic cache sees it."""
 
-    endpoint: str  # "chat" | "completions": never share entries (a prompt "user: X" is not the chat X)
+    endpoint: str  # "chat" (completions never get here); in the namespace, so no other endpoint shares
     context: Any  # matched exactly: every chat message before the last user turn (canonical dicts)
-    question: str  # embedded and guarded: the last user turn, or the completion's one prompt
+    question: str  # embedded and guarded: the last user turn
 
 
 def semantic_request(*, prompts: Optional[Sequence[str]],
                      messages: Optional[Sequence[dict]]) -> Optional[SemanticRequest]:
-    """The context and question of a completion (``prompts``) or chat (``messages``: role/content
-    dicts); None where the semantic cache does not apply: several prompts, a chat that
-    does not end with a user turn (say, an assistant prefill), an empty or overlong question."""
-    if messages is not None:
-        if not messages or messages[-1].get("role") != "user":
-            return None
-        endpoint, context, question = "chat", [dict(m) for m in messages[:-1]], messages[-1].get("content")
-    elif prompts is not None and len(prompts) == 1:
-        endpoint, context, question = "completions", [], prompts[0]
-    else:
+    """The context and question of a chat (``messages``: role/content dicts); None where
+    the semantic cache does not apply: a completion (``prompts``), a chat that does not
+    end with a user turn (say, an assistant prefill), an empty or overlong question."""
+    if messages is None:
+        # A raw completion prompt is text to continue, not a question: its whitespace,
+        # case and punctuation decide the continuation ("return x *" vs "return x **"),
+        # so it is answered exactly or not at all.
         return None
+    if not messages or messages[-1].get("role") != "user":
+        return None
+    endpoint, context, question = "chat", [dict(m) for m in messages[:-1]], messages[-1].get("content")
     if not isinstance(question, str) or not question.strip() or len(question) > MAX_QUESTION_CHARS:
         return None
     return SemanticRequest(endpoint=endpoint, context=context, question=question)
@@ -76,6 +76,10 @@ def semantic_request(*, prompts: Optional[Sequence[str]],
 # contractions can be expanded). \w is Unicode-aware: any script tokenizes.
 _TOKEN = re.compile(r"\d+(?:[.,]\d+)*|[^\W\d_]+(?:['\u2019][^\W\d_]+)*")
 _THOUSANDS = re.compile(r",(?=\d{3}(?:\D|$))")
+# Every other character that is neither a letter, a digit, white space nor sentence
+# punctuation is meaning: signs and operators (5+3 / 5-3, 3 > 2 / 3 < 2, != / ==, 1e3 /
+# 1e-3), currencies and percent ($100 / EUR100, 5% of), language names (C++ / C# / C).
+_SENTENCE_PUNCTUATION = set(".,;:?!'\"()\u2019\u2018\u201c\u201d\u00bf\u00a1")
 
 _NUMBER_WORDS = {
     word: str(value)
@@ -125,7 +129,8 @@ def _words(text: str) -> list[str]:
     """Lower-cased words and numbers, contractions expanded, number words as digits."""
     out: list[str] = []
     for raw in _TOKEN.findall(_THOUSANDS.sub("", text)):
-        word = raw.casefold().replace("\u2019", "'")
+        # An acronym keeps its case: "the US" is not "us". Any other word is folded.
+        word = raw if len(raw) > 1 and raw.isupper() else raw.casefold().replace("\u2019", "'")
         if word[0].isdigit():
             out.append(word.replace(",", "."))  # "1,5" (decimal comma) reads as 1.5
             continue
@@ -141,6 +146,20 @@ def _words(text: str) -> list[str]:
         else:
             out.append(word.replace("'", ""))
     return [_NUMBER_WORDS.get(w, w) for w in out]
+
+
+def _symbols(text: str) -> list[str]:
+    """The text's meaningful symbols, in order (see _SENTENCE_PUNCTUATION). A hyphen
+    between two words of two letters or more joins them ("side-effects"); anywhere else
+    ("x-y", "1e-3", "-5") it is a minus."""
+    out = []
+    for i, c in enumerate(text):
+        if c.isalnum() or c.isspace() or c == "_" or c in _SENTENCE_PUNCTUATION:
+            continue
+        if c == "-" and i >= 2 and text[i - 2:i].isalpha() and text[i + 1:i + 3].isalpha():
+            continue
+        out.append(c)
+    return out
 
 
 def _stem(word: str) -> str:
@@ -207,15 +226,19 @@ def _one_block_swap(a: list[str], b: list[str]) -> bool:
 def question_difference(a: str, b: str) -> Optional[str]:
     """Why questions ``a`` and ``b`` may have different answers, or None if they ask the same.
 
-    In order: "number" (the multisets of numbers differ, digits and number words alike),
+    In order: "symbol" (the signs, operators, currency and other symbols beyond
+    sentence punctuation differ, in order: 5+3 / 5-3, $ / EUR, C++ / C#), "number" (the
+    multisets of numbers differ, digits and number words alike),
     "negation" (the negation words differ, or a word of one is a word of the other
     with a negating prefix: safe/unsafe, legal/illegal), "content" (the content words
     differ beyond inflection: another entity, another language, an added or dropped
     qualifier), "order" (the same content words in another order, other than two blocks
-    swapped). Case, punctuation, whitespace, articles, copulas and request framing may
-    differ. Conservative on purpose: a refused paraphrase costs a model call, a wrong
-    hit serves another question's answer.
+    swapped). Case (but not of acronyms: US / us), sentence punctuation, whitespace,
+    articles, copulas and request framing may differ. Conservative on purpose: a refused
+    paraphrase costs a model call, a wrong hit serves another question's answer.
     """
+    if _symbols(a) != _symbols(b):
+        return "symbol"
     words_a, words_b = _words(a), _words(b)
     if Counter(w for w in words_a if _is_number(w)) != Counter(w for w in words_b if _is_number(w)):
         return "number"

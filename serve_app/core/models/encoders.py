@@ -63,7 +63,13 @@ def _draft_side(processor: Any) -> int | None:
         fields = value if isinstance(value, dict) else getattr(value, "__dict__", {})
         sides.extend(v for k, v in fields.items()
                      if k in ("height", "width", "shortest_edge", "longest_edge") and isinstance(v, int) and v > 0)
-    return max(sides) if sides else None
+    if not sides:
+        return None
+    # Processors with crop_pct (ConvNeXt-style) first resize to shortest_edge / crop_pct,
+    # then crop: the draft must keep that larger side, or the resize would upsample it.
+    crop_pct = getattr(processor, "crop_pct", None)
+    scale = 1.0 / crop_pct if isinstance(crop_pct, (int, float)) and 0 < crop_pct < 1 else 1.0
+    return int(max(sides) * scale) + 1 if scale > 1 else max(sides)
 
 
 def _read_pooling_mode(model_path: Path) -> str:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import secrets
 import time
@@ -252,10 +253,25 @@ def _content_spans(tokenizer: Any, messages: list[dict], text: str) -> list[tupl
     return None
 
 
+_PLAIN_COPIES: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()  # tokenizer -> its copy
+
+
 def _plain_ids(tokenizer: Any, text: str) -> list[int]:
-    """Token ids of ``text`` with any special-token strings in it split as ordinary text."""
-    return list(tokenizer(text, add_special_tokens=False, split_special_tokens=True, truncation=False,
-                          verbose=False)["input_ids"])
+    """Token ids of ``text`` with any special-token strings in it split as ordinary text.
+
+    On a copy of the tokenizer: split_special_tokens switches a flag of the Rust backend,
+    which must not change under the engine thread decoding with the same tokenizer
+    ("Already borrowed")."""
+    try:
+        plain = _PLAIN_COPIES[tokenizer]
+    except (KeyError, TypeError):
+        plain = copy.deepcopy(tokenizer)
+        try:
+            _PLAIN_COPIES[tokenizer] = plain
+        except TypeError:  # not weak-referenceable: copied each time
+            pass
+    return list(plain(text, add_special_tokens=False, split_special_tokens=True, truncation=False,
+                      verbose=False)["input_ids"])
 
 
 def encode_chat_template(tokenizer: Any, messages: list[dict]) -> list[int]:
