@@ -41,35 +41,29 @@ size the paged cache for the machine's memory (3 small requests took 14 s agains
 with generate()), and tuned it was still slower than this loop on SmolLM2-135M with
 16 requests (57 against 72 tokens/s); hence this loop.
 
-Memory. Left padding makes the cache rows x (longest running row) slots, whatever the
-other rows hold: one long row beside many short ones pads all of them to its width.
-So admission charges that padded footprint, not each row's own tokens: a row may grow
-to ``prompt_tokens + max_tokens`` columns, and a row joins only while the most slots
-the batch with it could come to hold, were every row to run to its limit, stays within
-the budget (:func:`~serve_app.core.kv_cache.peak_slots`). Short rows still join beside
-a long one as long as they end before it has grown wide (their slots and its later
-width never add up); rows that end early only lower the peak. The stats'
-``kv_tokens_reserved`` is that bound for the running batch, ``kv_cache_slots`` what is
-allocated now. Transients come on top for the length of one merge: the joining rows'
-own prefill cache, and one layer's old tensors while the layers are merged.
+Memory. Left padding makes the cache rows x (longest running row) slots: one long row
+beside many short ones pads all of them to its width. So admission charges that padded
+footprint: a row joins only while the most slots the batch with it could come to hold,
+every row running to its limit, stays within the budget
+(:func:`~serve_app.core.kv_cache.peak_slots`). Short rows still join beside a long one
+if they end before it grows wide; rows that end early only lower the peak. The stats'
+``kv_tokens_reserved`` is that bound, ``kv_cache_slots`` what is allocated now. For the
+length of one merge, the joining rows' prefill cache and one layer's old tensors come on top.
 
-Errors. Each row ends exactly once, with a result or an exception, whatever fails. A
-failed prefill, first-token sampling or merge fails the joining rows only, before any
-of them streamed anything (their first token goes out once the merge is done, and the
-merge puts the running cache back if a layer fails: see
-:func:`~serve_app.core.kv_cache.append_rows`). A failed decode step, or a failure to
-cut finished rows out of the cache, fails the rows still running and drops the batch;
-a row whose text fails to decode fails alone. Anything else that escapes a step fails
-every row the step held. The reservation is computed from the running rows, never
-counted up and down, so it cannot leak or be returned twice; the engine goes on with
-later requests.
+Errors. Each row ends exactly once (:meth:`ContinuousBatcher._end`), with a result or an
+exception. A failed prefill, first-token sampling or merge fails the joining rows only,
+before they streamed anything (the merge puts the running cache back if a layer fails:
+:func:`~serve_app.core.kv_cache.append_rows`). A failed decode step, or a failure to cut
+finished rows out, fails the running rows and drops the batch; a row whose text fails
+to decode fails alone; anything else that escapes a step fails every row it held. The
+reservation is computed from the running rows, never counted up and down, so it cannot
+leak; the engine goes on with later requests.
 
 This module must never import ray.
 """
 
 from __future__ import annotations
 
-import copy
 import inspect
 import itertools
 import logging
@@ -83,6 +77,8 @@ from serve_app.core import kv_cache
 from serve_app.core.calls import SamplingParams
 from serve_app.core.continuous_types import BatcherClosedError, BatcherStats, GenerationSink, RowHandle
 from serve_app.core.models import GenerationRequest, GenerationResult, GenerationRuntime
+from serve_app.core.continuous_rows import BatchRow
+from serve_app.core.sampling import ModelProcessors, sample
 from serve_app.core.streaming import TextStream
 
 logger = logging.getLogger(__name__)
@@ -90,39 +86,6 @@ logger = logging.getLogger(__name__)
 # The idle engine thread wakes on submit() and shutdown(); this bound only matters for
 # a stop_event set by someone else, who cannot notify the condition variable.
 _IDLE_WAIT_S = 1.0
-
-
-class _Row:
-    """Engine-side state of one request."""
-
-    def __init__(self, handle: RowHandle, request: GenerationRequest, params: SamplingParams,
-                 sink: GenerationSink, limit: int, stream: TextStream, device: torch.device):
-        self.handle = handle
-        self.request = request
-        self.sink = sink
-        self.limit = limit  # max_tokens capped by the context window
-        # The most cache columns this row can come to hold: its prompt, then one per decode
-        # step; the last sampled token is never fed back, so limit - 1 of its tokens.
-        self.kv_cost = len(request.prompt_ids) + max(0, limit - 1)
-        self.stream = stream
-        temperature = params.temperature
-        self.temperature = float(temperature) if temperature is not None and temperature > 0 else 0.0
-        self.top_p = float(params.top_p) if params.top_p is not None else 1.0
-        self.generator: torch.Generator | None = None
-        if self.temperature > 0 and params.seed is not None:
-            self.generator = torch.Generator(device=device)
-            self.generator.manual_seed(int(params.seed))
-        self.tokens: list[int] = []
-        self.next_token: int | None = None  # sampled but not yet fed through the model
-        self.cached_len = 0  # real (non-padding) tokens of this row in the cache
-        self.finish_reason: str | None = None
-        self.sink_failed = False
-        self.ended = False  # its sink got on_finish; nothing may end it again
-        # The model's logits processors for this row (None if its generation_config asks
-        # for none), and the ids they look at: prompt, then the tokens generated so far.
-        self.processors = None
-        self.history: torch.Tensor | None = None
-        self.history_len = 0
 
 
 class ContinuousBatcher:
@@ -156,11 +119,11 @@ class ContinuousBatcher:
         self._cache_kwarg = "cache" if "cache" in forward_params else "past_key_values"
         self._logits_to_keep = "logits_to_keep" in forward_params
         kv_cache.check_cache_layout(self.model)
-        self._generation_config = self._prepare_generation_config()
+        self._model_processors = ModelProcessors(self.model, runtime.decoding_kwargs(), self.device)
 
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)  # notified on submit, cancel and shutdown
-        self._waiting: deque[_Row] = deque()
+        self._waiting: deque[BatchRow] = deque()
         self._ids = itertools.count(1)
         self._closed = False
         self._stop = threading.Event()
@@ -168,10 +131,10 @@ class ContinuousBatcher:
         self._stepping = threading.Lock()  # step() is for one thread at a time
 
         # Engine-thread state: the running batch. Row i of every tensor is _active[i].
-        self._active: list[_Row] = []
+        self._active: list[BatchRow] = []
         self._cache = None  # transformers DynamicCache, or None while no row runs
         self._mask: torch.Tensor | None = None  # [rows, cache columns], 1 = real token
-        self._joining: list[_Row] = []  # admitted this step, not yet merged into the batch
+        self._joining: list[BatchRow] = []  # admitted this step, not yet merged into the batch
 
         # Counters, updated under _lock so that stats() is consistent.
         self._steps = 0
@@ -199,7 +162,8 @@ class ContinuousBatcher:
         limit = max(1, min(request.max_tokens, room))
         handle = RowHandle(request_id=next(self._ids), prompt_tokens=len(request.prompt_ids),
                            submitted_at=time.monotonic())
-        row = _Row(handle, request, params, sink, limit, TextStream(self.runtime._decode, request.stop), self.device)
+        stream = TextStream(self.runtime._decode, request.stop)
+        row = BatchRow(handle, request, params, sink, limit, stream, self.device)
         with self._lock:
             if self._closed:
                 raise BatcherClosedError("the continuous batcher is shut down")
@@ -354,13 +318,13 @@ class ContinuousBatcher:
             self._steps += 1
         return True
 
-    def _admit(self) -> list[_Row]:
+    def _admit(self) -> list[BatchRow]:
         """Take waiting rows, first come first served, while they fit the row and KV budgets.
 
         A row is charged what the batch would allocate with it (rows x padded width,
         up to every row's limit), not its own tokens: see the module docstring.
         """
-        admitted: list[_Row] = []
+        admitted: list[BatchRow] = []
         now = time.monotonic()
         with self._lock:
             # Joining from the moment a row leaves the queue: should anything below raise,
@@ -381,7 +345,7 @@ class ContinuousBatcher:
             self._kv_reserved = kv_cache.peak_slots(batch)
         return admitted
 
-    def _prefill(self, rows: list[_Row]) -> None:
+    def _prefill(self, rows: list[BatchRow]) -> None:
         """Run the new rows' prompts as one left-padded batch and merge them into the running batch.
 
         One transaction: until the merge is done nothing is streamed and the running
@@ -418,7 +382,7 @@ class ContinuousBatcher:
                 self._joining = []
                 self._kv_reserved = self._peak_slots(self._active)
 
-    def _prefill_forward(self, rows: list[_Row]):
+    def _prefill_forward(self, rows: list[BatchRow]):
         """The new rows' own left-padded cache and mask, and each row's first token."""
         from transformers import DynamicCache
 
@@ -431,7 +395,7 @@ class ContinuousBatcher:
             mask[i, width - n:] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         for i, row in enumerate(rows):
-            self._init_processors(row, ids[i, width - len(row.request.prompt_ids):])
+            row.processors = self._model_processors.for_row(ids[i, width - len(row.request.prompt_ids):], row.limit)
         # The same positions transformers' generate() gives a left-padded prompt.
         positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
         cache = DynamicCache(config=self.model.config)
@@ -482,7 +446,7 @@ class ContinuousBatcher:
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **kwargs)
         return out.logits[:, -1, :].float()
 
-    def _sample(self, logits: torch.Tensor, rows: list[_Row]) -> list[int]:
+    def _sample(self, logits: torch.Tensor, rows: list[BatchRow]) -> list[int]:
         """One token per row: the model's logits processors first (the row's own, on its
         own ids, so its tokens are those it would get alone), then argmax for greedy
         rows; temperature, top-p and the row's generator otherwise. That is the static
@@ -492,32 +456,19 @@ class ContinuousBatcher:
         # Only rows of a model whose generation_config asks for processors pay for this.
         for i, row in enumerate(rows):
             if row.processors is not None:
-                logits[i:i + 1] = row.processors(row.history[None, :row.history_len], logits[i:i + 1])
-        chosen = logits.argmax(dim=-1)
-        sampled = [i for i, r in enumerate(rows) if r.temperature > 0]
-        if sampled:
-            index = torch.tensor(sampled, device=logits.device)
-            temperatures = torch.tensor([rows[i].temperature for i in sampled], device=logits.device)
-            scores = logits.index_select(0, index) / temperatures[:, None]
-            top_p = torch.tensor([rows[i].top_p for i in sampled], device=logits.device)
-            if bool((top_p < 1.0).any()):
-                scores = _top_p_filter(scores, top_p)
-            probs = torch.softmax(scores, dim=-1)
-            for j, i in enumerate(sampled):
-                chosen[i] = torch.multinomial(probs[j], 1, generator=rows[i].generator)[0]
-        return chosen.tolist()
+                logits[i:i + 1] = row.processors(logits[i:i + 1])
+        return sample(logits, [r.temperature for r in rows], [r.top_p for r in rows], [r.generator for r in rows])
 
-    def _accept(self, row: _Row, token: int) -> None:
+    def _accept(self, row: BatchRow, token: int) -> None:
         """Record a sampled token, stream its text, and decide whether the row ends."""
         self._deliver(row, self._take(row, token))
 
-    def _take(self, row: _Row, token: int) -> str:
+    def _take(self, row: BatchRow, token: int) -> str:
         """Record a sampled token and decide whether the row ends; return its new text, not yet streamed."""
         row.tokens.append(token)
         row.next_token = token
-        if row.history is not None and row.history_len < row.history.shape[0]:
-            row.history[row.history_len] = token
-            row.history_len += 1
+        if row.processors is not None:
+            row.processors.append(token)
         if token in self.runtime.eos_token_ids:
             row.finish_reason = "stop"
             return ""
@@ -528,7 +479,7 @@ class ContinuousBatcher:
             row.finish_reason = "length"
         return delta
 
-    def _merge(self, cache, mask: torch.Tensor, rows: list[_Row]) -> None:
+    def _merge(self, cache, mask: torch.Tensor, rows: list[BatchRow]) -> None:
         """Append prefilled rows to the running batch, left-padding the shorter cache.
 
         All or nothing: if it raises, the running batch (rows, cache, mask) is as it was.
@@ -560,7 +511,7 @@ class ContinuousBatcher:
             return
         self._set_batch(survivors, cache, mask)
 
-    def _set_batch(self, active: list[_Row], cache, mask: torch.Tensor | None) -> None:
+    def _set_batch(self, active: list[BatchRow], cache, mask: torch.Tensor | None) -> None:
         """Replace the running batch; under the lock so that stats() sees rows and cache agree."""
         reserved = self._peak_slots(active + [r for r in self._joining if not r.ended and r not in active])
         with self._lock:
@@ -568,62 +519,12 @@ class ContinuousBatcher:
             self._kv_reserved = reserved
 
     @staticmethod
-    def _peak_slots(rows: list[_Row]) -> int:
+    def _peak_slots(rows: list[BatchRow]) -> int:
         return kv_cache.peak_slots((max(r.cached_len, len(r.request.prompt_ids)), r.kv_cost) for r in rows)
-
-    # ------------------------------------------------------------------ the model's logits processors
-
-    def _prepare_generation_config(self):
-        """The model's generation_config as the static engine's generate() call resolves it.
-
-        Built once with the arguments :meth:`GenerationRuntime.generate` passes
-        (greedy decoding, its sampler being a processor of its own, which the
-        continuous engine does in :meth:`_sample`), through transformers' own
-        preparation, so both engines apply the same processors. Raises ValueError if
-        this transformers has no such preparation: the static engine then serves the
-        model rather than this one ignoring its generation_config.
-        """
-        kwargs = dict(
-            max_new_tokens=1, min_new_tokens=0, num_beams=1, num_return_sequences=1,
-            pad_token_id=self.runtime.pad_token_id, eos_token_id=sorted(self.runtime.eos_token_ids) or None,
-            do_sample=False, temperature=None, top_p=None, top_k=None,
-        )
-        try:
-            config, _ = self.model._prepare_generation_config(None, **kwargs)
-            self.model._prepare_special_tokens(config, True, device=self.device)
-            if not callable(getattr(self.model, "_get_logits_processor", None)):  # used per row
-                raise AttributeError("no _get_logits_processor")
-        except (AttributeError, TypeError) as exc:
-            raise ValueError(f"cannot build {type(self.model).__name__}'s logits processors from its "
-                             f"generation_config with this transformers ({exc})") from exc
-        # generate() turns min_new_tokens=0 into min_length = prompt length, a minimum
-        # every row already meets; 0 says the same without a processor that never acts.
-        config.min_length = 0
-        return config
-
-    def _init_processors(self, row: _Row, prompt: torch.Tensor) -> None:
-        """The logits processors generate() would build for this row alone (``prompt``: its ids on the device)."""
-        from transformers import LogitsProcessorList
-
-        n = prompt.shape[0]
-        config = copy.copy(self._generation_config)
-        config.max_new_tokens = row.limit
-        config.max_length = n + row.limit  # what generate() derives from max_new_tokens
-        processors = self.model._get_logits_processor(
-            generation_config=config, input_ids_seq_length=n, encoder_input_ids=prompt[None, :],
-            prefix_allowed_tokens_fn=None, logits_processor=LogitsProcessorList(), device=self.device,
-            model_kwargs={},
-        )
-        if not len(processors):
-            return  # the usual case: nothing to apply, nothing to keep per token
-        row.processors = processors
-        row.history = torch.empty(n + row.limit, dtype=torch.long, device=self.device)
-        row.history[:n] = prompt
-        row.history_len = n
 
     # ------------------------------------------------------------------ delivering
 
-    def _deliver(self, row: _Row, delta: str) -> None:
+    def _deliver(self, row: BatchRow, delta: str) -> None:
         if not delta or row.sink_failed:
             return
         try:
@@ -632,7 +533,7 @@ class ContinuousBatcher:
             logger.exception("sink.on_delta failed for request %d; cancelling it", row.handle.request_id)
             row.sink_failed = True
 
-    def _finish(self, row: _Row, reason: str) -> None:
+    def _finish(self, row: BatchRow, reason: str) -> None:
         """End a row with a result: flush its held-back text, tell its sink."""
         if row.ended:
             return
@@ -651,14 +552,14 @@ class ContinuousBatcher:
             return
         self._end(row, result)
 
-    def _fail(self, row: _Row, error: BaseException) -> None:
+    def _fail(self, row: BatchRow, error: BaseException) -> None:
         """End a row with an exception instead of a result."""
         if row.ended:
             return
         row.finish_reason = "error"
         self._end(row, error)
 
-    def _end(self, row: _Row, outcome: GenerationResult | BaseException) -> None:
+    def _end(self, row: BatchRow, outcome: GenerationResult | BaseException) -> None:
         """The one place a row ends: counted once, its sink told once."""
         if row.ended:
             logger.error("request %d already ended; not ending it again", row.handle.request_id)
@@ -676,12 +577,3 @@ class ContinuousBatcher:
         except Exception:
             logger.exception("sink.on_finish failed for request %d", row.handle.request_id)
 
-
-def _top_p_filter(scores: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Nucleus filtering with a per-row top_p, as transformers' TopPLogitsWarper does for one value."""
-    sorted_scores, sorted_index = torch.sort(scores, descending=False, dim=-1)
-    cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
-    remove_sorted = cumulative <= (1 - top_p)[:, None]
-    remove_sorted[:, -1] = False  # always keep the most likely token
-    remove = remove_sorted.scatter(1, sorted_index, remove_sorted)
-    return scores.masked_fill(remove, float("-inf"))

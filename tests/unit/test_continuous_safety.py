@@ -392,4 +392,4 @@ def test_a_plain_generation_config_adds_no_per_row_processing(llm):
     batcher.submit(_req(llm, "Hello world", 4), GREEDY, Sink())
     batcher.step()
     (row,) = batcher._active
-    assert row.processors is None and row.history is None
+    assert row.processors is None

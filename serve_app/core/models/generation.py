@@ -16,6 +16,7 @@ import torch
 from serve_app.core.calls import SamplingParams
 from serve_app.core.errors import ContextLengthExceededError, InvalidRequestError
 from serve_app.core.models.base import TaskRuntime
+from serve_app.core.sampling import seeded_generator, top_p_filter
 from serve_app.core.streaming import TextStream
 
 logger = logging.getLogger(__name__)
@@ -132,25 +133,8 @@ def row_generators(n: int, seed: int | None, device: torch.device) -> list[torch
     it and sample in one batched draw.
     """
     if seed is None:
-        generator = torch.Generator(device=device)
-        generator.seed()
-        return generator
-    generators = []
-    for _ in range(n):
-        generator = torch.Generator(device=device)
-        generator.manual_seed(int(seed))
-        generators.append(generator)
-    return generators
-
-
-def top_p_filter(scores: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Nucleus filtering as transformers' TopPLogitsWarper does it (keeps at least one token)."""
-    sorted_scores, sorted_indices = torch.sort(scores, descending=False)
-    cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
-    remove_sorted = cumulative <= (1 - top_p)
-    remove_sorted[..., -1:] = False
-    remove = remove_sorted.scatter(1, sorted_indices, remove_sorted)
-    return scores.masked_fill(remove, float("-inf"))
+        return seeded_generator(None, device)
+    return [seeded_generator(seed, device) for _ in range(n)]
 
 
 class _RowSampler:
@@ -402,6 +386,18 @@ class GenerationRuntime(TaskRuntime):
             )
         return self._check_length(encode_chat_template(self.tokenizer, clean), "messages")
 
+    def decoding_kwargs(self) -> dict:
+        """What :meth:`generate` passes transformers' generate() besides the inputs and
+        limits; the continuous engine builds its logits processors from the same.
+
+        Greedy decoding either way: when sampling, _RowSampler (the last logits
+        processor) draws each row's token and leaves only that token finite, so the
+        argmax picks it. transformers' own sampling draws the whole batch from one RNG,
+        which makes a seeded row's tokens depend on the rows beside it."""
+        return dict(min_new_tokens=0, num_beams=1, num_return_sequences=1, pad_token_id=self.pad_token_id,
+                    eos_token_id=sorted(self.eos_token_ids) or None,
+                    do_sample=False, temperature=None, top_p=None, top_k=None)
+
     def generate(self, requests: list[GenerationRequest], params: SamplingParams, *,
                  on_delta: DeltaCallback | None = None,
                  is_cancelled: CancelCheck | None = None) -> list[GenerationResult]:
@@ -451,18 +447,9 @@ class GenerationRuntime(TaskRuntime):
             input_ids=ids.to(self.device),
             attention_mask=mask.to(self.device),
             max_new_tokens=max(limits),
-            min_new_tokens=0,
-            num_beams=1,
-            num_return_sequences=1,
-            pad_token_id=self.pad_token_id,
-            eos_token_id=sorted(self.eos_token_ids) or None,
             stopping_criteria=StoppingCriteriaList([stopper]),
+            **self.decoding_kwargs(),
         )
-        # Greedy decoding either way: when sampling, _RowSampler (the last logits
-        # processor) draws each row's token and leaves only that token finite, so the
-        # argmax picks it. transformers' own sampling draws the whole batch from one
-        # RNG, which makes a seeded row's tokens depend on the rows beside it.
-        kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
         if params.temperature is not None and params.temperature > 0:
             from transformers import LogitsProcessorList
 
