@@ -15,15 +15,11 @@ from serve_app.core import kv_cache
 from serve_app.core.calls import SamplingParams
 from serve_app.core.continuous import ContinuousBatcher
 from serve_app.core.continuous_types import BatcherClosedError
-from serve_app.core.models import GenerationRequest, GenerationResult, GenerationRuntime, LoadOptions, load_runtime
+from serve_app.core.models import GenerationRequest, GenerationResult, LoadOptions, load_runtime
 
 GREEDY = SamplingParams(temperature=0.0)
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-
-@pytest.fixture(scope="module")
-def llm(tiny_llama_dir) -> GenerationRuntime:
-    return load_runtime(LoadOptions(source=str(tiny_llama_dir), task="text-generation"))
 
 
 class Sink:

@@ -27,10 +27,6 @@ GREEDY = SamplingParams(temperature=0.0)
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-@pytest.fixture(scope="module")
-def llm(tiny_llama_dir) -> GenerationRuntime:
-    return load_runtime(LoadOptions(source=str(tiny_llama_dir), task="text-generation"))
-
 
 class Sink:
     """Counts what the engine delivers; on_finish more than once is recorded, not raised

@@ -16,7 +16,7 @@ from serve_app.config import BatchingConfig
 from serve_app.core.batching import arrival_order_plan, plan_batches
 from serve_app.core.calls import ChatTurn, GenerateCall, SamplingParams, StreamDelta
 from serve_app.core.errors import ContextLengthExceededError, DeadlineExceededError, InvalidRequestError, ServeAppError
-from serve_app.core.models import GenerationRequest, GenerationResult, LoadOptions, load_runtime
+from serve_app.core.models import GenerationRequest, GenerationResult
 from serve_app.core.models.generation import control_tokens, encode_chat_template
 from serve_app.core.static_batch import run_static_batch
 from serve_app.replica import engines
@@ -26,10 +26,6 @@ from replica_fakes import FakeMetrics, run, server
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-
-@pytest.fixture(scope="module")
-def llm(tiny_llama_dir):
-    return load_runtime(LoadOptions(source=str(tiny_llama_dir), task="text-generation"))
 
 
 # ---- item 11: the static planner charges what generate() allocates -------------------------

@@ -15,7 +15,7 @@ from serve_app.core.calls import (
     ChatTurn, Completion, GenerateCall, ResponseFormat, SamplingParams, StreamDelta, StreamEnd,
 )
 from serve_app.core.errors import ContextLengthExceededError, DeadlineExceededError, InvalidRequestError
-from serve_app.core.models import GenerationResult, LoadOptions, load_runtime
+from serve_app.core.models import GenerationResult
 from serve_app.replica import engines
 from serve_app.replica.engines import ContinuousEngine, StaticEngine, make_engine
 from serve_app.replica.stats import ReplicaObserver
@@ -144,10 +144,6 @@ def test_static_stream_closed_by_its_consumer_cancels_the_row():
 
 # ---- the continuous engine on the tiny Llama ----------------------------------------------
 
-
-@pytest.fixture(scope="module")
-def llm(tiny_llama_dir):
-    return load_runtime(LoadOptions(source=str(tiny_llama_dir), task="text-generation"))
 
 
 @pytest.fixture

@@ -19,7 +19,6 @@ from serve_app.core.errors import ContextLengthExceededError, InvalidRequestErro
 from serve_app.core.models import (
     EmbeddingRuntime,
     GenerationRequest,
-    GenerationRuntime,
     ImageClassificationRuntime,
     LoadOptions,
     TextClassificationRuntime,
@@ -48,10 +47,6 @@ def classifier(tiny_bert_classifier_dir) -> TextClassificationRuntime:
 def vit(tiny_vit_dir) -> ImageClassificationRuntime:
     return load_runtime(LoadOptions(source=str(tiny_vit_dir), task="image-classification"))
 
-
-@pytest.fixture(scope="module")
-def llm(tiny_llama_dir) -> GenerationRuntime:
-    return load_runtime(LoadOptions(source=str(tiny_llama_dir), task="text-generation"))
 
 
 def _png(size=(40, 24), color=(200, 30, 30), mode="RGB") -> bytes:

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from serve_app.core.calls import SamplingParams
-from serve_app.core.models import GenerationRequest, GenerationRuntime, LoadOptions, load_runtime
+from serve_app.core.models import GenerationRequest, GenerationRuntime
 from serve_app.core.streaming import TextStream, first_stop
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -126,10 +126,6 @@ def test_deltas_are_always_a_prefix_of_the_final_cut_text(ids, stops):
 
 # --------------------------------------------------------------------------- static engine
 
-
-@pytest.fixture(scope="module")
-def llm(tiny_llama_dir) -> GenerationRuntime:
-    return load_runtime(LoadOptions(source=str(tiny_llama_dir), task="text-generation"))
 
 
 def _req(llm, prompt, max_tokens, stop=()):
