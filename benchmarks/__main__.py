@@ -14,7 +14,8 @@ import sys
 import time
 from pathlib import Path
 
-from serve_app.core.tasks import PRECISIONS
+from serve_app.core.tasks import PRECISION_CHOICES
+from serve_app.ray_env import apply_ray_env
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,15 +29,21 @@ def main(argv: list[str] | None = None) -> int:
                      help="smoke mode: every scenario's code path with a handful of requests (all in ~3 min on "
                           "2 cores); checks that the stack serves, measures nothing")
     run.add_argument("--config", default="deployments/local.yaml", help="deployments file whose models are benchmarked")
-    run.add_argument("--precision", choices=list(PRECISIONS), help="override the models' precision")
+    run.add_argument("--precision", choices=list(PRECISION_CHOICES), help="override the models' precision")
     run.add_argument("--torch-threads", type=int, default=1, help="torch threads per model replica (and for the in-process ceiling)")
     run.add_argument("--gen-torch-threads", type=int, default=1,
                      help="torch threads for the generation scenario's replicas (1 measured fastest on 2 cores)")
     run.add_argument("--address", help="join a running Ray cluster (e.g. 'auto') instead of starting one")
     run.add_argument("--out", default="benchmark-results", help="output folder")
     run.add_argument("--no-progress", action="store_true")
+    run.add_argument("--classic-proxy", action="store_true",
+                     help="Ray Serve's classic Python proxy instead of its high-throughput HAProxy ingress "
+                          "(the default, as make serve runs it; SERVE_APP_HIGH_THROUGHPUT=0 does the same)")
     sub.add_parser("list", help="list the scenarios")
     args = parser.parse_args(argv)
+    if args.command == "run":
+        # Before anything imports ray.serve, and before the Ray it starts (see serve_app.ray_env).
+        apply_ray_env(enabled=False if args.classic_proxy else None)
 
     from benchmarks.registry import Context, load_all, run_scenario
 
@@ -53,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from benchmarks import report
     from benchmarks.machine import machine_info
-    from benchmarks.service import BenchCluster, load_models
+    from benchmarks.service import BenchCluster, load_application
 
     command = "python -m benchmarks " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     cluster = BenchCluster(args.address)
@@ -61,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     files: dict[str, Path] = {}
     started = time.perf_counter()
     try:
-        ctx = Context(cluster=cluster, models=load_models(args.config), quick=args.quick or args.tiny,
+        application = load_application(args.config)
+        ctx = Context(cluster=cluster, models=application["models"], application=application, quick=args.quick or args.tiny,
                       precision=args.precision, torch_threads=args.torch_threads, gen_torch_threads=args.gen_torch_threads,
                       progress=not args.no_progress, out_dir=args.out, tiny=args.tiny)
         for name in names:

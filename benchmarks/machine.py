@@ -7,6 +7,8 @@ import platform
 import subprocess
 from pathlib import Path
 
+from serve_app.ray_env import high_throughput_active
+
 
 def _cpu_model() -> str:
     try:
@@ -63,6 +65,8 @@ def machine_info(torch_threads: int | None = None) -> dict:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "ray": ray.__version__,
+        # Which ingress Ray Serve ran: its HAProxy one (high-throughput mode) or the classic proxy.
+        "ray_serve_ingress": "haproxy" if high_throughput_active() else "classic proxy",
         "git_revision": _git_revision(),
     }
 
@@ -75,5 +79,7 @@ def machine_line(info: dict) -> str:
         cpu += f" ({', '.join(flags)})" if flags else f" (none of {', '.join(CPU_FLAGS)})"
     return (
         f"{cpu}, {info['cores']} cores, {gpu}; torch {info['torch']}, transformers "
-        f"{info['transformers']}, ray {info['ray']}; git {info['git_revision']}"
+        f"{info['transformers']}, ray {info['ray']}"
+        + (f" (ingress: {info['ray_serve_ingress']})" if info.get("ray_serve_ingress") else "")
+        + f"; git {info['git_revision']}"
     )

@@ -54,6 +54,9 @@ class Context:
     # Smoke mode: every scenario's code path through the real stack with a handful of
     # requests (the figures mean nothing). Implies quick.
     tiny: bool = False
+    # The deployments file's application args (router, cache, models) as shipped; the
+    # recipe scenario serves them unchanged. None: only ``models`` is known.
+    application: Optional[dict] = None
 
     def pick(self, full: Any, quick: Any, tiny: Any = None) -> Any:
         """The value for this run's mode: tiny (if given), else quick, else full."""

@@ -21,11 +21,16 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def load_models(config_path: str | Path) -> list[dict]:
-    """The ``models`` list of a deployments file's (only) application."""
+def load_application(config_path: str | Path) -> dict:
+    """The ``args`` of a deployments file's (only) application: router, cache, models."""
     document = yaml.safe_load(Path(config_path).read_text())
     (application,) = document["applications"]
-    return application["args"]["models"]
+    return application["args"]
+
+
+def load_models(config_path: str | Path) -> list[dict]:
+    """The ``models`` list of a deployments file's (only) application."""
+    return load_application(config_path)["models"]
 
 
 def pick_model(models: list[dict], task: str) -> dict:
@@ -123,6 +128,18 @@ class BenchCluster:
             "cache": {"enabled": cache},
         }
         return build_app(args)
+
+    def shipped_app(self, application: dict, keep_models: list[str]):
+        """A deployments file's application as it ships (router, cache and these of its
+        models, each exactly as configured), built, not deployed."""
+        from serve_app.app import build_app
+
+        models = [copy.deepcopy(m) for m in application["models"] if m["name"] in keep_models]
+        for model in models:  # per-model cache settings may name models left out
+            cache = model.get("cache") or {}
+            if (cache.get("semantic") or {}).get("embedding_model") not in (None, *keep_models):
+                model["cache"] = {k: v for k, v in cache.items() if k != "semantic"}
+        return build_app({**copy.deepcopy(application), "models": models})
 
     def deploy_models(self, name: str, models: list[dict], router: Optional[dict] = None, *, cache: bool = False) -> str:
         """Deploy our app with these models (see models_app)."""

@@ -24,6 +24,7 @@ from ray import serve
 from serve_app.config import CacheConfig
 from serve_app.core.cache import MemoryStore, RedisStore, ResilientStore, SemanticIndex
 from serve_app.metrics import StoreMetrics
+from serve_app.serve_logs import start_log_flusher
 
 logger = logging.getLogger("ray.serve")
 
@@ -48,6 +49,7 @@ GAUGE_REFRESH_S = 5.0
 @serve.deployment
 class CacheServer:
     async def __init__(self, cache_config: dict):
+        start_log_flusher()  # Ray buffers this replica's log lines (serve_app.serve_logs)
         self.config = CacheConfig.model_validate(cache_config)
         self.store = ResilientStore(_store_from_config(self.config), timeout_s=self.config.store_timeout_s)
         self.semantic = SemanticIndex(max_entries_per_namespace=self.config.semantic_max_entries,

@@ -20,6 +20,8 @@ from typing import Any
 
 import yaml
 
+from serve_app.ray_env import HIGH_THROUGHPUT_ENV
+
 ROOT = Path(__file__).resolve().parents[1]
 SERVE_CONFIG = ROOT / "deployments" / "gpu-cluster.yaml"
 MANIFEST = ROOT / "deployments" / "kuberay" / "rayservice.yaml"
@@ -56,6 +58,9 @@ _ENV = [
     _secret_env("SERVE_APP_REDIS_URL", "redis-url"),
     _secret_env("SERVE_APP_REDIS_PASSWORD", "redis-password"),
     _secret_env("HF_TOKEN", "hf-token", optional=True),  # gated models only
+    # Ray Serve's high-throughput mode (serve_app/ray_env.py), read by every Ray process of
+    # the pod; "0" for both on every group keeps Ray's classic proxy.
+    *({"name": name, "value": value} for name, value in HIGH_THROUGHPUT_ENV.items()),
 ]
 _CACHE_VOLUME = {"name": "hf-cache", "emptyDir": {}}
 _CACHE_MOUNT = {"name": "hf-cache", "mountPath": "/home/ray/.cache/huggingface"}

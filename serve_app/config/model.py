@@ -12,12 +12,12 @@ from serve_app.config.base import _Section
 from serve_app.config.cache import ModelCacheConfig
 from serve_app.config.vllm import VLLMConfig
 from serve_app.core.quantization import Quantization, check_quantization
-from serve_app.core.tasks import PRECISIONS, TASKS
+from serve_app.core.tasks import PRECISION_CHOICES, TASKS
 
 Task = Literal[TASKS]
 # The tasks vLLM runs for us: generation, and embeddings through its pooling runner.
 VLLM_TASKS = ("text-generation", "embedding")
-Precision = Literal[PRECISIONS]
+Precision = Literal[PRECISION_CHOICES]
 
 _MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
@@ -114,7 +114,9 @@ class ModelConfig(_Section):
     )
     task: Task = Field(description=" | ".join(TASKS) + ".")
     precision: Precision = Field(
-        "fp32", description="Weight and activation dtype. fp16 needs a GPU; bf16 uses AMX/AVX512-bf16 on recent CPUs."
+        "auto", description="Weight and activation dtype: auto | fp32 | bf16 | fp16. 'auto' picks, on the node a "
+        "replica lands on, bf16 where the GPU supports it or the CPU has bf16 matrix units (AVX-512 BF16 or AMX), "
+        "else fp32 (emulated bf16 is slower than fp32); the replica logs which and why. fp16 needs a GPU.",
     )
     quantization: Quantization = Field(
         "none",
@@ -213,8 +215,11 @@ class ModelConfig(_Section):
             return self
         # The device a replica will get: 'auto' finds a GPU only when the model asks Ray for one.
         on_gpu = self.device == "cuda" or (self.device == "auto" and self.resources.num_gpus > 0)
+        # "auto" is resolved on the replica's node; here it may still become bf16, which
+        # every quantization accepts, and the loader checks again with what it resolved to.
+        precision = "bf16" if self.precision == "auto" else self.precision
         try:
-            check_quantization(self.quantization, self.precision, "cuda" if on_gpu else "cpu")
+            check_quantization(self.quantization, precision, "cuda" if on_gpu else "cpu")
         except ValueError as exc:
             where = "a GPU" if on_gpu else f"CPU (device {self.device}, resources.num_gpus {self.resources.num_gpus})"
             raise ValueError(f"model {self.name!r} on {where}: {exc}") from None

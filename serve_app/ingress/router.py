@@ -30,6 +30,7 @@ from serve_app.ingress.notes import note
 from serve_app.ingress.protocol import ChatCompletionBody, ClassifyBody, CompletionBody, EmbeddingBody
 from serve_app.ingress.response_cache import ResponseCache
 from serve_app.ingress.status import ServiceStatus
+from serve_app.serve_logs import start_log_flusher
 
 logger = logging.getLogger("ray.serve")
 
@@ -54,6 +55,7 @@ class Router:
         model_handles: dict[str, DeploymentHandle],
         cache_handle: Optional[DeploymentHandle] = None,
     ):
+        start_log_flusher()  # Ray buffers this replica's log lines (serve_app.serve_logs)
         self.config = AppConfig.model_validate(app_config)
         self.models: dict[str, ModelConfig] = {m.name: m for m in self.config.models}
         auth = self.config.auth

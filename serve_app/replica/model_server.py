@@ -52,6 +52,7 @@ from serve_app.core.calls import (
 from serve_app.core.errors import InvalidRequestError
 from serve_app.core.executor import Budget, ModelPacedExecutor
 from serve_app.core.models import LoadOptions, load_runtime
+from serve_app.core.models.devices import resolve_device, resolve_precision
 from serve_app.core.models.sources import model_revision, resolve_source
 from serve_app.core.static_batch import Row, batch_cost, expired, new_row, run_static_batch
 from serve_app.metrics import BatchMetrics
@@ -60,6 +61,7 @@ from serve_app.replica.inputs import encode_each, in_image_thread, in_tokenizer_
 from serve_app.replica.stats import ReplicaObserver
 # vllm_engine imports vLLM itself only when a model starts on it.
 from serve_app.replica.vllm_engine import VLLMEmbedder, VLLMEngine, VLLMRuntime, start_vllm, vllm_unavailable
+from serve_app.serve_logs import start_log_flusher
 
 logger = logging.getLogger("ray.serve")
 
@@ -118,6 +120,7 @@ class ModelServer:
         a Serve replica: a ready runtime instead of loading one, stand-in metrics, and
         rows handed to the executor at once instead of through ``@serve.batch`` (whose
         queue needs a replica context)."""
+        start_log_flusher()  # Ray buffers this replica's log lines (serve_app.serve_logs)
         self.config = ModelConfig.model_validate(model_config)
         self._metrics = metrics if metrics is not None else BatchMetrics(self.config.name)
         self.runtime = runtime if runtime is not None else self._load()
@@ -164,15 +167,19 @@ class ModelServer:
         torch.set_num_threads(config.effective_torch_threads())
         started = time.perf_counter()
         try:
+            # "auto" becomes bf16 or fp32 here, on the node the replica landed on.
+            precision, why = resolve_precision(config.precision, resolve_device(config.device))
+            logger.info("model %s: precision %s (%s)", config.name, precision, why)
+            config = config.model_copy(update={"precision": precision})
             if self._wants_vllm():
-                runtime = self._start_vllm()
+                runtime = self._start_vllm(config)
                 if runtime is not None:
                     logger.info("model %s started on vLLM in %.1fs: task=%s device=%s dtype=%s context=%d",
                                 config.name, time.perf_counter() - started, runtime.task, runtime.device,
                                 runtime.dtype, runtime.max_input_tokens)
                     return runtime
             runtime = load_runtime(LoadOptions(
-                source=config.source, task=config.task, precision=config.precision, device=config.device,
+                source=config.source, task=config.task, precision=precision, device=config.device,
                 trust_remote_code=config.trust_remote_code, hub_revision=config.hub_revision,
                 quantization=config.quantization,
             ))
@@ -189,10 +196,10 @@ class ModelServer:
         )
         return runtime
 
-    def _start_vllm(self):
-        """vLLM's engine for the model, or None where ``engine: auto`` falls back to the
-        transformers runtime (logged with the reason); ``engine: vllm`` raises instead."""
-        config = self.config
+    def _start_vllm(self, config: ModelConfig):
+        """vLLM's engine for the model (``config``: the replica's, its precision resolved),
+        or None where ``engine: auto`` falls back to the transformers runtime (logged with
+        the reason); ``engine: vllm`` raises instead."""
         model_dir = resolve_source(config.source, hub_revision=config.hub_revision,
                                    trust_remote_code=config.trust_remote_code)
         reason = vllm_unavailable(config, model_dir)

@@ -136,7 +136,11 @@ class VLLMRuntime:
 
 
 def engine_args(config: ModelConfig, model_dir: Path) -> dict[str, Any]:
-    """vLLM's engine arguments for a model (pure: tests read them without vLLM)."""
+    """vLLM's engine arguments for a model (pure: tests read them without vLLM). The
+    config's precision must be resolved already (the replica turns "auto" into the
+    precision of its node), so that vLLM and the revision agree on one."""
+    if config.precision not in _DTYPES:
+        raise ValueError(f"precision {config.precision!r} is not resolved; the replica resolves it before vLLM starts")
     options = config.vllm
     args: dict[str, Any] = dict(
         model=str(model_dir),

@@ -54,11 +54,14 @@ def metrics_url(serve_instance) -> str:
 
 def tiny_app_args(embedding_dir, classifier_dir, llama_dir, vit_dir) -> dict:
     small = {"num_cpus": 0.25, "torch_threads": 1}
+    # fp32, not the default precision auto (bf16 on a CPU with bf16 units): tests compare
+    # answers across batches and engines to a tolerance only fp32 keeps on every machine.
+    # local.yaml's app at /local runs auto.
     return {
         "router": {"num_cpus": 0.25, "request_timeout_s": 60},
         "models": [
             {
-                "name": "tiny-embed",
+                "name": "tiny-embed", "precision": "fp32",
                 "source": str(embedding_dir),
                 "task": "embedding", "engine": "transformers",
                 # A long wait lets a burst of concurrent HTTP requests meet in one batch.
@@ -67,14 +70,14 @@ def tiny_app_args(embedding_dir, classifier_dir, llama_dir, vit_dir) -> dict:
                 "max_inputs_per_request": 8,
             },
             {
-                "name": "tiny-classifier",
+                "name": "tiny-classifier", "precision": "fp32",
                 "source": str(classifier_dir),
                 "task": "text-classification",
                 "resources": small,
                 "top_k_limit": 2,
             },
             {
-                "name": "tiny-llama",
+                "name": "tiny-llama", "precision": "fp32",
                 "source": str(llama_dir),
                 "task": "text-generation", "engine": "transformers",
                 "batching": {"max_batch_size": 8, "max_batch_tokens": 2048, "batch_wait_timeout_s": 0.05},
@@ -83,7 +86,8 @@ def tiny_app_args(embedding_dir, classifier_dir, llama_dir, vit_dir) -> dict:
                 # covers the continuous engine.
                 "generation": {"default_max_tokens": 8, "max_tokens_limit": 64, "engine": "static"},
             },
-            {"name": "tiny-vit", "source": str(vit_dir), "task": "image-classification", "resources": small},
+            {"name": "tiny-vit", "source": str(vit_dir), "task": "image-classification", "precision": "fp32",
+             "resources": small},
         ],
     }
 

@@ -201,6 +201,10 @@ def test_ray_start_avoids_the_redis_port_and_workers_join_the_head(cluster):
     assert port != "6379"
     assert f"$RAY_HEAD_IP:{port}" in worker
     assert "--autoscaling-config=~/ray_bootstrap_config.yaml" in head
+    # Every node starts Ray with Ray Serve's high-throughput mode, before `ray start`.
+    for commands in (head, worker):
+        exports = commands[: commands.index("ray start --")]
+        assert "export RAY_SERVE_ENABLE_HA_PROXY=1 RAY_SERVE_THROUGHPUT_OPTIMIZED=1;" in exports
 
 
 def test_header_names_the_commands_and_an_existing_deployment_file():

@@ -39,7 +39,7 @@ def test_local_deployment_fits_two_cpus():
 def test_defaults_fill_in():
     config = parse_app_config(_minimal())
     model = config.models[0]
-    assert model.batching.max_batch_size == 32 and model.precision == "fp32" and model.device == "auto"
+    assert model.batching.max_batch_size == 32 and model.precision == "auto" and model.device == "auto"
 
 
 def test_generation_engine_vllm_is_the_models_engine_vllm():

@@ -26,13 +26,24 @@ def config():
     return parse_app_config(application["args"])
 
 
+# Accelerator types whose GPUs compute bf16 (Ampere and later), where precision auto is bf16.
+BF16_GPUS = {"A10G", "A100", "L4", "L40S", "H100", "H200"}
+
+
+def test_precision_auto_is_bf16_on_every_gpu_node_type_of_the_cluster():
+    nodes = yaml.safe_load(CLUSTER_YAML.read_text())["available_node_types"]
+    accelerators = {key.split(":", 1)[1] for node in nodes.values() for key in node["resources"]
+                    if key.startswith("accelerator_type:")}
+    assert accelerators and accelerators <= BF16_GPUS, accelerators
+
+
 def test_llms_and_embeddings_run_on_vllm_in_bf16(config):
     generation = [m for m in config.models if m.task == "text-generation"]
     embedding = [m for m in config.models if m.task == "embedding"]
     assert generation and embedding
     for model in generation + embedding:
         assert model.engine == "vllm", f"{model.name}: engine {model.engine}"
-        assert model.precision == "bf16", model.name
+        assert model.precision == "auto", model.name  # bf16 on the GPUs below
         assert model.device == "cuda" and model.resources.num_gpus > 0, model.name
         assert model.vllm.max_model_len, f"{model.name}: set vllm.max_model_len (the default is the model's, often 32k+)"
     for model in generation:

@@ -17,7 +17,7 @@ from pydantic import BaseModel
 from ray.exceptions import ActorUnavailableError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
-from serve_app.config import AppConfig, CacheConfig, ModelConfig, RouterConfig
+from serve_app.config import AppConfig, ModelConfig, RouterConfig
 from serve_app.core.auth import ApiKeys
 from serve_app.core.calls import (
     ChatTurn,

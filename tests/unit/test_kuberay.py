@@ -84,6 +84,9 @@ def test_gpu_pods_are_autoscaled_from_zero_and_pinned_like_cluster_yaml(manifest
     for spec in [head["template"]["spec"]] + [g["template"]["spec"] for g in groups.values()]:
         names = {e["name"] for e in spec["containers"][0]["env"]}
         assert {"SERVE_APP_API_KEYS", "SERVE_APP_ADMIN_KEYS", "SERVE_APP_REDIS_URL"} <= names
+        # Ray Serve's high-throughput mode on every Ray process, as make serve runs it.
+        values = {e["name"]: e.get("value") for e in spec["containers"][0]["env"]}
+        assert values["RAY_SERVE_ENABLE_HA_PROXY"] == "1" and values["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1"
 
 
 @pytest.mark.skipif(not SHARED_CRD.is_file(), reason=f"the full CRD is not beside the repository ({SHARED_CRD})")

@@ -103,6 +103,10 @@ def test_config_accepts_each_mode_where_it_runs():
     gpu = {"num_gpus": 1}
     assert parse_app_config(_config(quantization="bnb-4bit", precision="bf16", resources=gpu)).models[0]
     assert parse_app_config(_config(quantization="bnb-8bit", precision="fp16", device="cuda", resources=gpu))
+    # precision auto is resolved on the replica's node (bf16 where it is native), and the
+    # loader checks the combination again with what it resolved to.
+    assert parse_app_config(_config(quantization="int4")).models[0].precision == "auto"
+    assert parse_app_config(_config(quantization="bnb-4bit", resources=gpu)).models[0].quantization == "bnb-4bit"
 
 
 @pytest.mark.parametrize(
@@ -110,8 +114,9 @@ def test_config_accepts_each_mode_where_it_runs():
     [
         (dict(quantization="bnb-8bit", precision="bf16"),
          ["model 'm' on CPU (device auto, resources.num_gpus 0.0)", "needs a CUDA GPU", "quantization: int8"]),
-        (dict(quantization="int4"), ["int4 needs precision bf16, got fp32", "set precision: bf16"]),
-        (dict(quantization="bnb-4bit", resources={"num_gpus": 1}), ["model 'm' on a GPU", "set precision: bf16"]),
+        (dict(quantization="int4", precision="fp32"), ["int4 needs precision bf16, got fp32", "set precision: bf16"]),
+        (dict(quantization="bnb-4bit", precision="fp32", resources={"num_gpus": 1}),
+         ["model 'm' on a GPU", "set precision: bf16"]),
         (dict(quantization="int2"), ["args.models.0.quantization", "'none', 'int8', 'int4', 'bnb-8bit' or 'bnb-4bit'"]),
     ],
 )

@@ -28,6 +28,7 @@ from serve_app.core.models import (
     resolve_device,
     resolve_source,
 )
+from serve_app.core.models.devices import cpu_flags, resolve_precision
 
 GREEDY = SamplingParams(temperature=0.0)
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -68,6 +69,45 @@ def test_resolve_device_cpu_and_fallback(monkeypatch):
     assert resolve_device("cuda:1") == torch.device("cpu")
     with pytest.raises(ValueError, match="unknown device"):
         resolve_device("tpu-please")
+
+
+def test_auto_precision_is_bf16_only_where_the_cpu_multiplies_bf16(tmp_path):
+    cpu = torch.device("cpu")
+    # An AVX-512 BF16 or AMX CPU computes bf16 natively; elsewhere bf16 is emulated through fp32.
+    assert resolve_precision("auto", cpu, frozenset({"avx512f", "avx512_bf16"})) == (
+        "bf16", "auto: the CPU has bf16 matrix units (avx512_bf16)")
+    assert resolve_precision("auto", cpu, frozenset({"amx_bf16", "amx_tile"}))[0] == "bf16"
+    precision, why = resolve_precision("auto", cpu, frozenset({"avx2", "avx512f"}))
+    assert precision == "fp32" and "avx512_bf16, amx_bf16" in why and "emulated" in why
+    # A concrete precision is never second-guessed, whatever the hardware.
+    assert resolve_precision("fp32", cpu, frozenset({"amx_bf16"})) == ("fp32", "set in the config")
+    assert resolve_precision("bf16", cpu, frozenset()) == ("bf16", "set in the config")
+    with pytest.raises(ValueError, match="unknown precision 'int3'"):
+        resolve_precision("int3", cpu)
+    # The flags come from /proc/cpuinfo's first "flags" line (ARM: "Features"); none where it is absent.
+    (tmp_path / "cpuinfo").write_text("processor\t: 0\nflags\t\t: fpu sse2 avx512_bf16\n\nflags\t: other\n")
+    assert cpu_flags(tmp_path / "cpuinfo") == frozenset({"fpu", "sse2", "avx512_bf16"})
+    assert cpu_flags(tmp_path / "missing") == frozenset()
+
+
+def test_auto_precision_on_a_gpu_follows_its_bf16_support(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA T4")
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    assert resolve_precision("auto", torch.device("cuda")) == ("fp32", "auto: NVIDIA T4 has no bf16 support")
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    assert resolve_precision("auto", torch.device("cuda"))[0] == "bf16"
+
+
+def test_auto_precision_loads_what_it_resolved_to_and_names_it_in_the_revision(tiny_bert_embedding_dir, monkeypatch):
+    from serve_app.core.models import devices
+
+    monkeypatch.setattr(devices, "cpu_flags", lambda: frozenset({"amx_bf16"}))
+    bf16 = load_runtime(LoadOptions(source=str(tiny_bert_embedding_dir), task="embedding", precision="auto"))
+    assert bf16.dtype == torch.bfloat16 and bf16.revision.endswith("-bf16-none")
+    monkeypatch.setattr(devices, "cpu_flags", lambda: frozenset())
+    fp32 = load_runtime(LoadOptions(source=str(tiny_bert_embedding_dir), task="embedding", precision="auto"))
+    # fp32 keeps the files' own revision, as an explicit fp32 does: the answers are the same.
+    assert fp32.dtype == torch.float32 and fp32.revision == bf16.revision.removesuffix("-bf16-none")
 
 
 def test_fp16_on_cpu_is_refused(tiny_bert_embedding_dir):

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from serve_app.core.calls import SamplingParams
-from serve_app.core.models import GenerationRequest, GenerationRuntime
+from serve_app.core.models import GenerationRequest
 from serve_app.core.streaming import TextStream, first_stop
 
 GREEDY = SamplingParams(temperature=0.0)

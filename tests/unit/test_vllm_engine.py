@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from serve_app.config import ModelConfig
-from serve_app.core.calls import ChatTurn, GenerateCall, SamplingParams, StreamDelta, StreamEnd
+from serve_app.core.calls import ChatTurn, GenerateCall, StreamDelta, StreamEnd
 from serve_app.core.errors import ContextLengthExceededError, DeadlineExceededError, ModelUnavailableError
 from serve_app.replica.vllm_engine import EngineStatsLogger, VLLMRuntime, engine_args
 
@@ -225,12 +225,15 @@ def test_engine_args_follow_the_config():
     assert args["dtype"] == "bfloat16" and args["max_num_seqs"] == 12 and args["max_model_len"] == 2048
     assert args["enable_prefix_caching"] and args["runner"] == "generate" and args["kv_cache_dtype"] == "fp8"
     assert "distributed_executor_backend" not in args
-    embed = ModelConfig(name="e", source="/m", task="embedding", engine="vllm")
+    embed = ModelConfig(name="e", source="/m", task="embedding", engine="vllm", precision="fp32")
     args = engine_args(embed, Path("/models/e"))
     assert args["runner"] == "pooling" and "enable_prefix_caching" not in args
-    sharded = ModelConfig(name="big", source="/m", task="text-generation", engine="vllm",
+    sharded = ModelConfig(name="big", source="/m", task="text-generation", engine="vllm", precision="bf16",
                           resources={"num_gpus": 4}, vllm={"tensor_parallel_size": 4})
     assert engine_args(sharded, Path("/m"))["distributed_executor_backend"] == "ray"
+    # "auto" is the replica's to resolve on its node; vLLM never gets a guess.
+    with pytest.raises(ValueError, match="precision 'auto' is not resolved"):
+        engine_args(ModelConfig(name="a", source="/m", task="embedding", engine="vllm"), Path("/m"))
 
 
 def test_engine_stats_keep_the_latest_step_and_the_prefix_hit_rate():

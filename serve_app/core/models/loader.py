@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from serve_app.core.models.base import TaskRuntime, _max_input_tokens
-from serve_app.core.models.devices import _resolve_dtype, resolve_device
+from serve_app.core.models.devices import _resolve_dtype, resolve_device, resolve_precision
 from serve_app.core.models.encoders import (
     EmbeddingRuntime,
     ImageClassificationRuntime,
@@ -31,7 +31,7 @@ class LoadOptions:
 
     source: str  # "package:NAME" | "hf:Org/name" | a local directory path
     task: str  # one of TASKS
-    precision: str = "fp32"  # one of serve_app.core.tasks.PRECISIONS
+    precision: str = "fp32"  # one of serve_app.core.tasks.PRECISION_CHOICES ("auto": see resolve_precision)
     device: str = "cpu"  # "cpu", "cuda", "cuda:N", "auto"; see resolve_device()
     trust_remote_code: bool = False
     hub_revision: str | None = None  # for hf: sources
@@ -57,10 +57,13 @@ def load_runtime(options: LoadOptions) -> TaskRuntime:
     if options.task not in TASKS:
         raise ValueError(f"unknown task {options.task!r}; use one of {', '.join(TASKS)}")
     device = resolve_device(options.device)
-    dtype = _resolve_dtype(options.precision, device)
+    precision, why = resolve_precision(options.precision, device)
+    if options.precision == "auto":
+        logger.info("precision %s (%s)", precision, why)
+    dtype = _resolve_dtype(precision, device)
     # Before resolving the source: a GGUF conversion or hub download is wasted on a
     # combination that cannot run.
-    check_quantization(options.quantization, options.precision, device.type)
+    check_quantization(options.quantization, precision, device.type)
     path = resolve_source(
         options.source, hub_revision=options.hub_revision, cache_dir=options.cache_dir,
         trust_remote_code=options.trust_remote_code,
@@ -120,7 +123,8 @@ def load_runtime(options: LoadOptions) -> TaskRuntime:
     rt.quantization = options.quantization
     # Cache keys carry the revision. The same files served at another precision or
     # quantization answer slightly differently, so they get their own revision.
-    if options.precision != "fp32" or options.quantization != "none":
-        rt.revision = f"{rt.revision}-{options.precision}-{options.quantization}"
+    # (The precision run, not the one asked for: "auto" is bf16 on one node and fp32 on another.)
+    if precision != "fp32" or options.quantization != "none":
+        rt.revision = f"{rt.revision}-{precision}-{options.quantization}"
     logger.info("loaded %r", rt)
     return rt

