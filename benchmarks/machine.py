@@ -27,14 +27,11 @@ CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "am
 
 def cpu_flags() -> list[str]:
     """Which of CPU_FLAGS /proc/cpuinfo lists (empty where it cannot be read)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                present = set(line.split(":", 1)[1].split())
-                return [flag for flag in CPU_FLAGS if flag in present]
-    except OSError:
-        pass
-    return []
+    # The reader precision auto decides by (imported here: it imports torch).
+    from serve_app.core.models.devices import cpu_flags as present_flags
+
+    present = present_flags()
+    return [flag for flag in CPU_FLAGS if flag in present]
 
 
 def _git_revision() -> str:

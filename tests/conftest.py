@@ -11,28 +11,6 @@ import sys
 from pathlib import Path
 
 os.environ["HF_HUB_OFFLINE"] = "1"
-# Ray Serve as `make serve` runs it: the high-throughput ingress (HAProxy) unless
-# SERVE_APP_HIGH_THROUGHPUT=0. Ray reads the variables when ray.serve is first imported
-# and hands them to the processes ray.init starts, so they go in before any test module.
-from serve_app.ray_env import apply_ray_env  # noqa: E402
-
-apply_ray_env()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-# HAProxy's exporter, its stats page and Serve's fallback proxy bind fixed ports on all
-# interfaces (9101, 8404, 8500, 9500): a second Ray on this machine (a `make serve`, another
-# test session) would make HAProxy exit at start. The session takes free ones instead.
-for _port_variable in ("RAY_SERVE_HAPROXY_METRICS_PORT", "RAY_SERVE_HAPROXY_STATS_PORT",
-                       "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT", "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT"):
-    os.environ.setdefault(_port_variable, str(_free_port()))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
@@ -40,6 +18,20 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 _TESTS_DIR = str(Path(__file__).resolve().parent)
 if _TESTS_DIR not in sys.path:
     sys.path.insert(0, _TESTS_DIR)
+
+from processes import free_port  # noqa: E402
+from serve_app.ray_env import apply_ray_env  # noqa: E402
+
+# Ray Serve as `make serve` runs it: the high-throughput ingress (HAProxy) unless
+# SERVE_APP_HIGH_THROUGHPUT=0. Ray reads the variables when ray.serve is first imported
+# and hands them to the processes ray.init starts, so they go in before any test module.
+apply_ray_env()
+# HAProxy's exporter, its stats page and Serve's fallback proxy bind fixed ports on all
+# interfaces (9101, 8404, 8500, 9500): a second Ray on this machine (a `make serve`, another
+# test session) would make HAProxy exit at start. The session takes free ones instead.
+for _port_variable in ("RAY_SERVE_HAPROXY_METRICS_PORT", "RAY_SERVE_HAPROXY_STATS_PORT",
+                       "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT", "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT"):
+    os.environ.setdefault(_port_variable, str(free_port()))
 
 import pytest  # noqa: E402
 

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import time
 import uuid
 
 import pytest
+from processes import free_port, stop_process
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
@@ -36,13 +36,6 @@ def _answers(url: str, timeout_s: float = 0.5) -> bool:
         return False
     finally:
         client.close()
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 with nothing listening on it (at the time of asking)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
@@ -65,13 +58,7 @@ def redis_url(tmp_path_factory):
             pytest.skip(problem)
         yield own_url
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=5)
+        stop_process(proc, timeout_s=5)
 
 
 @pytest.fixture

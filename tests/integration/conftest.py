@@ -4,13 +4,13 @@ HTTP proxy on a free local port."""
 from __future__ import annotations
 
 import os
-import socket
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 import yaml
+from processes import free_port
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -21,13 +21,8 @@ from ray import serve  # noqa: E402
 pytestmark = pytest.mark.integration
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
-
-METRICS_PORT = _free_port()
+METRICS_PORT = free_port()
 
 
 @pytest.fixture(scope="session")
@@ -38,7 +33,7 @@ def serve_instance():
     # (default 10 s) so the scrape test need not wait long.
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, namespace="serve_app_tests",
              _metrics_export_port=METRICS_PORT, _system_config={"metrics_report_interval_ms": 1000})
-    port = _free_port()
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
         yield f"http://127.0.0.1:{port}"

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+from processes import free_port
 
 from serve_app.ray_env import high_throughput_active
 
@@ -28,11 +28,6 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 USER_KEY = "classic-proxy-user-key-4d2b9c"
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.mark.skipif(not high_throughput_active(), reason="SERVE_APP_HIGH_THROUGHPUT=0: the session runs the classic proxy")
@@ -53,7 +48,7 @@ def classic(tmp_path_factory, tiny_bert_embedding_dir, tiny_llama_dir):
     """`python -m serve_app.launch CONFIG --classic-proxy` in its own local Ray; yields its URL."""
     folder = tmp_path_factory.mktemp("classic")
     (folder / "user.keys").write_text(f"{USER_KEY}\n")
-    port = _free_port()
+    port = free_port()
     small = {"num_cpus": 0.25, "torch_threads": 1}
     config = {
         "proxy_location": "HeadOnly",
@@ -81,7 +76,7 @@ def classic(tmp_path_factory, tiny_bert_embedding_dir, tiny_llama_dir):
     log = (folder / "launch.log").open("w+")
     launcher = subprocess.Popen(
         [sys.executable, "-m", "serve_app.launch", str(config_path), "--classic-proxy",
-         "--metrics-export-port", str(_free_port())],
+         "--metrics-export-port", str(free_port())],
         cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
     url = f"http://127.0.0.1:{port}"

@@ -14,7 +14,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import time
 import uuid
@@ -25,6 +24,7 @@ import pytest
 import yaml
 
 from dashboard_panels import DASHBOARD, all_panels
+from processes import free_port, stop_process
 from serving_apps import profiled_app
 
 pytestmark = pytest.mark.integration
@@ -48,11 +48,6 @@ GRAFANA_BUILTINS = {"__rate_interval": "1m", "__interval": "15s", "__interval_ms
 VARIABLE = re.compile(r"\$\{(\w+)(?::[^}]*)?\}|\$(\w+)|\[\[(\w+)\]\]")
 LABEL_VALUES = re.compile(r"^\s*label_values\(\s*(?:(?P<selector>.+?)\s*,\s*)?(?P<label>\w+)\s*\)\s*$")
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # ---- the dashboard's queries, as Grafana sends them -------------------------------------
@@ -163,7 +158,7 @@ def prometheus(metrics_url, tmp_path_factory):
                             "static_configs": [{"targets": [target.netloc]}]}],
     }
     (work / "prometheus.yml").write_text(yaml.safe_dump(config))
-    port = _free_port()
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
     log = (work / "prometheus.log").open("w")
     process = subprocess.Popen(
@@ -185,12 +180,7 @@ def prometheus(metrics_url, tmp_path_factory):
             time.sleep(0.25)
         yield base
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=15)
+        stop_process(process, timeout_s=15)
         log.close()
 
 
