@@ -181,6 +181,11 @@ def ceiling(ctx: Context) -> ScenarioResult:
 # Distinct texts for the recipe scenario, drawn like TEXTS (its first 512 are TEXTS): the
 # shipped app caches answers, and a text sent twice would measure its cache, not its serving.
 RECIPE_TEXTS = mixed_texts(4096, min_words=4, max_words=128, seed=7)
+# Warm-up texts, none of them in RECIPE_TEXTS: the recipe pads each batch to a new shape,
+# and torch's CPU kernels for a shape are built at its first use, so the recipe got
+# faster round after round (its ratio to ours fell from 1.78 to 1.32 within one run)
+# until every variant had seen a few hundred batches.
+RECIPE_WARMUP_TEXTS = mixed_texts(1536, min_words=4, max_words=128, seed=8)
 
 
 @scenario
@@ -206,23 +211,45 @@ def recipe(ctx: Context) -> ScenarioResult:
                           ours_engine=model_stats(urls["ours"], embedder["name"]).get("engine"))
     points = ctx.pick((8, 32), (8, 32), tiny=(8,))
     ref = points[-1]
-    rows = {}
+    # Alternating rounds, summed: one short run per variant moved the recipe's figure
+    # between 50 and 97 requests/s on 2 cores, more than the difference being measured.
+    rounds = ctx.pick(3, 2, tiny=1)
+    warmup = ctx.pick(1536, 512, tiny=16)
+    for name, url in urls.items():
+        run_closed(url, lambda i: ("/v1/embeddings", {"model": embedder["name"], "input": RECIPE_WARMUP_TEXTS[i]}),
+                   concurrency=points[-1], requests=warmup, label=f"{name} warm-up", ctx=ctx)
+    totals: dict[tuple[str, int], list[float]] = {}  # (variant, concurrency) -> [requests ok, seconds]
+    round_ratios: dict[int, list[float]] = {}
     sent = 0
     for concurrency in points:
-        for name, url in urls.items():
-            offset = sent  # each variant gets the same texts at a point, none seen before by it
-            count = requests_for(concurrency, ctx)
+        count = requests_for(concurrency, ctx, per_client=8)
+        for round_index in range(rounds):
+            offset = sent  # both variants get the same texts in a round, none seen before by either
+            order = list(urls.items()) if round_index % 2 == 0 else list(reversed(urls.items()))
+            rates = {}
+            for name, url in order:
 
-            def make(i: int, offset: int = offset, model: str = embedder["name"]):
-                return "/v1/embeddings", {"model": model, "input": RECIPE_TEXTS[(offset + i) % len(RECIPE_TEXTS)]}
+                def make(i: int, offset: int = offset, model: str = embedder["name"]):
+                    return "/v1/embeddings", {"model": model, "input": RECIPE_TEXTS[(offset + i) % len(RECIPE_TEXTS)]}
 
-            run = run_closed(url, make, concurrency=concurrency, requests=count, label=name, ctx=ctx, warmup=8)
-            rows[(name, concurrency)] = result.add(run, name)
-        sent += count + 8
+                run = run_closed(url, make, concurrency=concurrency, requests=count, label=name, ctx=ctx, warmup=8)
+                result.add(run, name, round=round_index + 1)
+                total = totals.setdefault((name, concurrency), [0.0, 0.0])
+                total[0] += run.requests - run.errors
+                total[1] += run.duration_s
+                rates[name] = run.throughput_rps
+            round_ratios.setdefault(concurrency, []).append(rates["ours"] / rates["recipe"] if rates["recipe"] else 0.0)
+            sent += count + 8
     ctx.cluster.delete(*urls)
-    ratio = rows[("ours", ref)]["throughput_rps"] / rows[("recipe", ref)]["throughput_rps"]
-    result.derived[f"throughput_ratio_c{ref}"] = ratio
-    result.check(f"ours (as shipped) / Ray-docs recipe throughput, concurrency {ref}", ratio, 1.5)
+    throughput = {key: ok / seconds if seconds else 0.0 for key, (ok, seconds) in totals.items()}
+    for concurrency in points:
+        for name in urls:
+            result.derived[f"{name}_rps_c{concurrency}"] = round(throughput[(name, concurrency)], 1)
+        result.derived[f"round_ratios_c{concurrency}"] = [round(r, 2) for r in round_ratios[concurrency]]
+    ratio = throughput[("ours", ref)] / throughput[("recipe", ref)] if throughput[("recipe", ref)] else 0.0
+    result.derived[f"throughput_ratio_c{ref}"] = round(ratio, 3)
+    result.check(f"ours (as shipped) / Ray-docs recipe throughput, concurrency {ref} ({rounds} alternating rounds)",
+                 ratio, 1.5)
     return result
 
 

@@ -1,9 +1,11 @@
 """CacheServer: the response cache as a deployment of its own.
 
-The router asks it before any model call and writes answers back after a miss. It
-holds the store (in-process memory by default, Redis for a cluster) behind a
-ResilientStore, so a slow or dead store answers "miss" within a short timeout instead
-of failing requests, and the semantic index for models that opt in.
+The router asks it before any model call and writes answers back after a miss; the
+lookups and write-backs of requests that arrive together travel as one call each
+(``get_many``, ``set_many``; see ``core.cache.batcher``). It holds the store (in-process
+memory by default, Redis for a cluster) behind a ResilientStore, so a slow or dead
+store answers "miss" within a short timeout instead of failing requests, and the
+semantic index for models that opt in.
 
 Several CacheServer replicas share entries only through Redis; with the memory store
 each replica keeps its own entries (the router's calls spread over them, so the hit
@@ -81,16 +83,19 @@ class CacheServer:
                 logger.debug("cache gauge refresh failed", exc_info=True)
             await asyncio.sleep(period_s)
 
-    async def get(self, key: str) -> Optional[bytes]:
-        self.counts["gets"] += 1
-        value = await self.store.get(key)
-        if value is not None:
-            self.counts["hits"] += 1
-        return value
+    async def get_many(self, keys: Sequence[str]) -> list[Optional[bytes]]:
+        """One value (or None) per key, in order: the lookups of several requests in one call."""
+        values = await self.store.get_many(list(keys))
+        self.counts["gets"] += len(values)
+        self.counts["hits"] += sum(value is not None for value in values)
+        return values
 
-    async def set(self, key: str, value: bytes, ttl_s: Optional[float] = None) -> None:
-        self.counts["sets"] += 1
-        await self.store.set(key, value, ttl_s if ttl_s is not None else self.config.ttl_s)
+    async def set_many(self, entries: Sequence[tuple[str, bytes, Optional[float]]]) -> list[None]:
+        """Several write-backs in one call; a ttl_s of None takes the configured TTL, 0 deletes."""
+        self.counts["sets"] += len(entries)
+        await self.store.set_many([(key, value, self.config.ttl_s if ttl_s is None else ttl_s)
+                                   for key, value, ttl_s in entries])
+        return [None] * len(entries)
 
     async def semantic_get(self, namespace: str, vector: Sequence[float], question: str,
                            threshold: float) -> Optional[tuple[str, float, bytes]]:

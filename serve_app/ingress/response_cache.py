@@ -37,7 +37,15 @@ from serve_app.core.calls import (
     ModelCall,
     ModelResult,
 )
-from serve_app.core.cache import SingleFlight, cache_key, decode_value, encode_value, is_cacheable, semantic_namespace
+from serve_app.core.cache import (
+    CallBatcher,
+    SingleFlight,
+    cache_key,
+    decode_value,
+    encode_value,
+    is_cacheable,
+    semantic_namespace,
+)
 from serve_app.core.cache.semantic import semantic_request
 from serve_app.ingress import caller
 from serve_app.ingress.model_client import ModelClient
@@ -52,6 +60,8 @@ _COMPUTED = ("bypass", "coalesced")
 # At most one warning per this many seconds per kind of trouble (a corrupt entry, a
 # failing embedder): a per-request problem must not write a line per request.
 _WARN_EVERY_S = 30.0
+# Most lookups (or write-backs) one CacheServer call carries.
+_STORE_BATCH = 256
 # A text the embedder refused as too long makes texts at least as long skip the semantic
 # lookup for this long (then one is tried again: the bound is a guess in characters).
 _TOO_LONG_MEMORY_S = 600.0
@@ -87,6 +97,13 @@ class ResponseCache:
             maxsize=max(1, config.router_hot_bytes), ttl=config.router_hot_ttl_s, getsizeof=lambda e: len(e[0])
         )
         self._background: set[asyncio.Task] = set()
+        # Lookups and write-backs of requests that arrive together go to the CacheServer
+        # as one call each: its per-call cost, not the store, is most of what a miss
+        # costs (core.cache.batcher).
+        self._lookups: CallBatcher[str, Optional[bytes]] = CallBatcher(
+            self._get_many, timeout_s=config.call_timeout_s, max_batch=_STORE_BATCH)
+        self._writes: CallBatcher[tuple, None] = CallBatcher(
+            self._set_many, timeout_s=config.call_timeout_s, max_batch=_STORE_BATCH)
         self._revisions: dict[str, _KnownRevision] = {}
         self._too_long: dict[str, tuple[int, float]] = {}  # embedder -> (chars, when) it refused
         self._warned_at: dict[str, float] = {}
@@ -148,7 +165,7 @@ class ResponseCache:
         hot = self._hot_get(key)
         if hot is not None:
             return "hit", hot
-        raw = await self._store_call("get", lambda store: store.get.remote(key))
+        raw = await self._store_call("get", lambda store: self._lookups.call(key))
         stored = self._decode(raw, call, key=key, revision=revision)
         if stored is not None:
             self._remember(key, raw, stored)
@@ -335,7 +352,7 @@ class ResponseCache:
                    call.result_type.__name__, problem)
         if key is not None:
             self._hot.pop(key, None)
-            self._background_call("drop", lambda store: store.set.remote(key, b"", 0))  # ttl 0 deletes
+            self._background_call("drop", lambda store: self._writes.call((key, b"", 0)))  # ttl 0 deletes
         return None
 
     def _background_call(self, what: str, start: Callable[[DeploymentHandle], Any]) -> None:
@@ -380,7 +397,7 @@ class ResponseCache:
         self._remember(key, encoded, result)
 
         async def write() -> None:
-            await self._store_call("set", lambda store: store.set.remote(key, encoded, ttl_s))
+            await self._store_call("set", lambda store: self._writes.call((key, encoded, ttl_s)))
             if namespace is not None and vector is not None and question is not None:
                 await self._store_call("semantic_add",
                                        lambda store: store.semantic_add.remote(namespace, vector, key, question))
@@ -388,6 +405,12 @@ class ResponseCache:
         task = asyncio.create_task(write())
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+    async def _get_many(self, keys: list[str]) -> list[Optional[bytes]]:
+        return await self.store.get_many.remote(keys)
+
+    async def _set_many(self, entries: list[tuple]) -> list[None]:
+        return await self.store.set_many.remote(entries)
 
     async def _store_call(self, what: str, start: Callable[[DeploymentHandle], Any],
                           timeout_s: Optional[float] = None) -> Any:

@@ -177,6 +177,14 @@ def start_vllm(config: ModelConfig, model_dir: Path, revision: str, model_metric
         # vLLM's CPU build sizes its KV cache from this variable (GiB); the engine core
         # process inherits it.
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(config.vllm.cpu_kv_cache_gib)
+        if config.vllm.tensor_parallel_size == 1:
+            # Run the model inside the engine core process (vLLM's "uni" executor) instead of
+            # a worker process beside it. vLLM's CPU platform picks the worker process unless
+            # this is 0, and the two then spin on the shared-memory queue between them
+            # (sched_yield, for a second after each message): measured on 2 cores, 2.2 ms of
+            # CPU per embedding request, 11% more requests/s without it. The engine core
+            # still runs in its own process. A value the user exported wins.
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     stats_logger = EngineStatsLogger(model_metrics)
     loggers: list[Any] = [lambda vllm_config, engine_index: stats_logger]
     with contextlib.suppress(ImportError):

@@ -73,6 +73,19 @@ def test_local_yaml_serves_chat_and_embeddings_on_vllm(local):
     assert dot[0][1] > dot[0][2] + 0.2
 
 
+def test_on_the_cpu_each_vllm_model_runs_inside_its_engine_core_process(local):
+    """No worker process beside the engine core (serve_app.replica.vllm_engine): the two
+    would spin on the queue between them, taking CPU from every other process."""
+    import psutil
+
+    assert _info(local, "minilm")["engine"]["kind"] == "vllm"
+    names = set()
+    for process in psutil.process_iter(["name"]):
+        names.add(process.info["name"] or "")
+    assert any(name.startswith("VLLM::EngineCor") for name in names), sorted(names)
+    assert not any(name.startswith("VLLM::Worker") for name in names), sorted(names)
+
+
 def test_vllm_embeddings_match_the_transformers_runtime(local):
     """The same MiniLM on vLLM and on our transformers runtime gives the same vectors."""
     from serve_app.core.models import LoadOptions, load_runtime

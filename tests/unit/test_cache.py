@@ -265,6 +265,22 @@ def test_store_set_get_round_trip(make_store):
     asyncio.run(main())
 
 
+def test_store_get_many_and_set_many_match_one_at_a_time(make_store):
+    async def main():
+        store = make_store()
+        try:
+            assert await store.get_many([]) == [] and await store.set_many([]) is None
+            await store.set_many([("m:r:a", b"1", 60), ("m:r:b", b"2", 60), ("m:r:a", b"3", 60)])
+            assert await store.get_many(["m:r:b", "m:r:missing", "m:r:a"]) == [b"2", None, b"3"]  # last write wins
+            assert await store.get("m:r:a") == b"3"
+            await store.set_many([("m:r:b", b"", 0)])  # ttl 0 deletes, as set() does
+            assert await store.get_many(["m:r:a", "m:r:b"]) == [b"3", None]
+        finally:
+            await store.close()
+
+    asyncio.run(main())
+
+
 def test_store_ttl_expiry(make_store, request):
     is_memory = "memory" in request.node.callspec.id
     clock = FakeClock()
@@ -407,6 +423,13 @@ class BrokenStore:
     async def set(self, key, value, ttl_s):
         await self._maybe_fail()
 
+    async def get_many(self, keys):
+        await self._maybe_fail()
+        return [b"value"] * len(keys)
+
+    async def set_many(self, entries):
+        await self._maybe_fail()
+
     async def drop_model(self, model):
         await self._maybe_fail()
         return 3
@@ -444,6 +467,24 @@ def test_resilient_store_over_dead_redis_is_a_fast_miss_and_logs_once(caplog):
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1, [r.getMessage() for r in warnings]
     assert "serving without the cache" in warnings[0].getMessage()
+
+
+def test_resilient_store_batches_fail_as_all_misses_in_one_timeout():
+    async def main():
+        slow = ResilientStore(BrokenStore(delay_s=1.0, fail=False), timeout_s=0.05)
+        started = time.perf_counter()
+        assert await slow.get_many(["a", "b", "c"]) == [None, None, None]
+        await slow.set_many([("a", b"v", 1), ("b", b"v", 1)])
+        assert time.perf_counter() - started < 0.5  # one timeout per batch, not per key
+        dead = ResilientStore(BrokenStore(), timeout_s=0.05)
+        assert await dead.get_many(["a", "b"]) == [None, None]
+        await dead.set_many([("a", b"v", 1)])  # must not raise
+        working = ResilientStore(BrokenStore(fail=False), timeout_s=0.05)
+        assert await working.get_many(["a", "b"]) == [b"value", b"value"]
+        return slow, dead, working
+
+    slow, dead, working = asyncio.run(main())
+    assert (slow.errors, dead.errors, working.errors) == (2, 2, 0)  # a batch is one call, one error
 
 
 def test_resilient_store_times_out_a_slow_store():

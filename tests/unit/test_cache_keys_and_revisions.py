@@ -84,17 +84,19 @@ class _Store:
 
     def __init__(self):
         self.entries: dict[str, bytes] = {}
-        for name in ("get", "set", "semantic_get", "semantic_add", "drop_model", "stats"):
+        for name in ("get_many", "set_many", "semantic_get", "semantic_add", "drop_model", "stats"):
             setattr(self, name, Remote(getattr(self, f"_{name}")))
 
-    async def _get(self, key):
-        return self.entries.get(key)
+    async def _get_many(self, keys):
+        return [self.entries.get(key) for key in keys]
 
-    async def _set(self, key, value, ttl_s):
-        if ttl_s is not None and ttl_s <= 0:
-            self.entries.pop(key, None)
-        else:
-            self.entries[key] = value
+    async def _set_many(self, entries):
+        for key, value, ttl_s in entries:
+            if ttl_s is not None and ttl_s <= 0:
+                self.entries.pop(key, None)
+            else:
+                self.entries[key] = value
+        return [None] * len(entries)
 
     async def _semantic_get(self, *args):
         return None

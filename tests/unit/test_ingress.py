@@ -22,6 +22,7 @@ from serve_app.core.auth import ApiKeys
 from serve_app.core.calls import (
     ChatTurn,
     ClassifyCall,
+    ClassifyResult,
     Completion,
     EmbedCall,
     EmbedResult,
@@ -34,7 +35,7 @@ from serve_app.core.calls import (
     StreamEnd,
     TokenLogprob,
 )
-from serve_app.core.cache import encode_value
+from serve_app.core.cache import decode_value, encode_value
 from serve_app.core.errors import (
     DeadlineExceededError,
     InvalidRequestError,
@@ -352,20 +353,25 @@ class _StoreHandle:
     def __init__(self):
         self.entries: dict[str, bytes] = {}
         self.fail = False
-        for name in ("get", "set", "semantic_get", "semantic_add", "drop_model", "stats"):
+        self.batches: list[tuple[str, int]] = []  # (method, items) per call
+        for name in ("get_many", "set_many", "semantic_get", "semantic_add", "drop_model", "stats"):
             setattr(self, name, Remote(getattr(self, f"_{name}")))
 
     async def _check(self):
         if self.fail:
             raise ConnectionError("store down")
 
-    async def _get(self, key):
+    async def _get_many(self, keys):
+        self.batches.append(("get_many", len(keys)))
         await self._check()
-        return self.entries.get(key)
+        return [self.entries.get(key) for key in keys]
 
-    async def _set(self, key, value, ttl_s):
+    async def _set_many(self, entries):
+        self.batches.append(("set_many", len(entries)))
         await self._check()
-        self.entries[key] = value
+        for key, value, ttl_s in entries:
+            self.entries[key] = value
+        return [None] * len(entries)
 
     async def _semantic_get(self, namespace, vector, threshold):
         return None
@@ -450,12 +456,53 @@ def test_a_failing_store_or_a_foreign_entry_is_a_miss_never_an_error():
         call = GenerateCall(max_tokens=4, prompts=("p",), sampling=SamplingParams(0))
         store.fail = True
         assert await cache.answer(cache.models["m"], call) == (_answer("a"), "miss")
-        assert cache.errors >= 1
+        await asyncio.sleep(0.01)  # its write-back fails too, while the store is down
+        assert cache.errors >= 2
         store.fail = False
         other = _cache(backend, store)
         key = next(iter(cache._hot))
         store.entries[key] = encode_value([{"text": "an older shape"}])
         assert await other.answer(other.models["m"], call) == (_answer("b"), "miss")
+
+    asyncio.run(scenario())
+
+
+class _EchoBackend:
+    """Answers each prompt with its own text, after ``delay_s``."""
+
+    def __init__(self, delay_s: float = 0.0):
+        self.delay_s, self.calls = delay_s, 0
+
+    def infer(self, call):
+        self.calls += 1
+        return Pending(GenerateResult([Completion(text=f"answer to {call.prompts[0]}", finish_reason="stop",
+                                                  prompt_tokens=2, completion_tokens=1)], revision=_INFO.revision),
+                       self.delay_s)
+
+    def info(self):
+        return Pending(_INFO)
+
+
+def test_concurrent_lookups_and_write_backs_share_store_calls_and_each_gets_its_own_answer():
+    async def scenario():
+        store, backend = _StoreHandle(), _EchoBackend(delay_s=0.01)
+        calls = [GenerateCall(max_tokens=4, prompts=(f"p{i}",), sampling=SamplingParams(0)) for i in range(12)]
+        cache = _cache(backend, store)
+        await cache.answer(cache.models["m"], calls[0])  # learns the revision
+        await asyncio.sleep(0.01)
+        store.batches.clear()
+        misses = await asyncio.gather(*(cache.answer(cache.models["m"], c) for c in calls[1:]))
+        await asyncio.sleep(0.02)  # the write-backs
+        assert [r.completions[0].text for r, _ in misses] == [f"answer to p{i}" for i in range(1, 12)]
+        assert {header for _, header in misses} == {"miss"}
+        assert store.batches == [("get_many", 11), ("set_many", 11)]
+        fresh = _cache(backend, store)  # another router replica: its hot tier is empty
+        await fresh.answer(fresh.models["m"], calls[0])
+        store.batches.clear()
+        hits = await asyncio.gather(*(fresh.answer(fresh.models["m"], c) for c in reversed(calls)))
+        assert [r.completions[0].text for r, _ in hits] == [f"answer to p{i}" for i in reversed(range(12))]
+        assert {header for _, header in hits} == {"hit"} and backend.calls == 12
+        assert store.batches == [("get_many", 11)]  # p0 came from this router's hot tier
 
     asyncio.run(scenario())
 
@@ -473,3 +520,16 @@ def test_drop_clears_the_hot_tier_and_the_store():
         assert (await cache.stats())["router_outcomes"] == {"m": {"miss": 2}}
 
     asyncio.run(scenario())
+
+
+def test_to_wire_is_asdict_without_the_copies():
+    logprob = TokenLogprob(token="a", logprob=-0.5, top=(("a", -0.5), ("b", -1.0)))
+    results = [
+        EmbedResult(embeddings=[[0.1, 0.2], [0.3, 0.4]], prompt_tokens=3, revision="r"),
+        ClassifyResult(rankings=[[("pos", 0.9), ("neg", 0.1)]], prompt_tokens=2),
+        GenerateResult([Completion(text="x", finish_reason="stop", prompt_tokens=1, completion_tokens=1,
+                                   logprobs=(logprob,))], revision="r"),
+    ]
+    for result in results:
+        assert decode_value(encode_value(result.to_wire())) == decode_value(encode_value(dataclasses.asdict(result)))
+        assert type(result).from_wire(decode_value(encode_value(result.to_wire()))) == result

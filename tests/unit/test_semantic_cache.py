@@ -140,7 +140,7 @@ class _ServerHandle:
     """A CacheServer handle over the real CacheServer class (its index and memory store)."""
 
     def __init__(self, server):
-        for name in ("get", "set", "semantic_get", "semantic_add", "drop_model", "stats"):
+        for name in ("get_many", "set_many", "semantic_get", "semantic_add", "drop_model", "stats"):
             setattr(self, name, Remote(getattr(server, name)))
 
 

@@ -16,11 +16,14 @@ The router asks the cache before it asks a model (see DESIGN.md):
    turn close by embedding and accepted by a guard (``semantic.same_question``).
 4. :class:`SingleFlight` lets identical requests that are in flight at the same time
    share one model call.
+5. :class:`CallBatcher` sends the store lookups (and write-backs) of requests that
+   arrive together as one call.
 
 Everything here is plain asyncio; nothing imports ray. Nothing here is thread-safe: each
 object belongs to one event loop.
 """
 
+from serve_app.core.cache.batcher import CallBatcher
 from serve_app.core.cache.flight import SingleFlight
 from serve_app.core.cache.keys import (
     cache_key,
@@ -34,6 +37,7 @@ from serve_app.core.cache.values import decode_value, encode_value
 
 __all__ = [
     "CacheStore",
+    "CallBatcher",
     "MemoryStore",
     "RedisStore",
     "ResilientStore",

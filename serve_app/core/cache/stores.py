@@ -7,7 +7,7 @@ import logging
 import math
 import re
 import time
-from typing import Callable, Protocol, runtime_checkable
+from typing import Callable, Protocol, Sequence, runtime_checkable
 
 import cachetools
 
@@ -18,11 +18,23 @@ from serve_app.core.cache.keys import _model_part
 logger = logging.getLogger(__package__)
 
 
+# One write: (key, value, ttl_s); a ttl_s <= 0 deletes the key.
+Entry = tuple[str, bytes, float]
+
+
 @runtime_checkable
 class CacheStore(Protocol):
     async def get(self, key: str) -> bytes | None: ...
 
     async def set(self, key: str, value: bytes, ttl_s: float) -> None: ...
+
+    async def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        """``get`` of each key, in order, in one round trip where the store has one."""
+        ...
+
+    async def set_many(self, entries: Sequence[Entry]) -> None:
+        """``set`` of each (key, value, ttl_s), in order, in one round trip where the store has one."""
+        ...
 
     async def drop_model(self, model: str) -> int:
         """Delete every entry whose key starts with ``f"{model}:"``; return how many."""
@@ -112,6 +124,13 @@ class MemoryStore:
             return
         self._cache[key] = _Entry(value, float(ttl_s), size)
 
+    async def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        return [await self.get(key) for key in keys]
+
+    async def set_many(self, entries: Sequence[Entry]) -> None:
+        for key, value, ttl_s in entries:
+            await self.set(key, value, ttl_s)
+
     async def drop_model(self, model: str) -> int:
         prefix = _model_part(model) + ":"
         doomed = [k for k in list(self._cache.keys()) if k.startswith(prefix)]
@@ -194,6 +213,24 @@ class RedisStore:
             return
         await self._redis.set(self.prefix + key, value, px=ttl_ms)
 
+    async def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        if not keys:
+            return []
+        return list(await self._redis.mget([self.prefix + key for key in keys]))
+
+    async def set_many(self, entries: Sequence[Entry]) -> None:
+        if not entries:
+            return
+        # One round trip, not a transaction: each write stands alone, as set() does.
+        pipe = self._redis.pipeline(transaction=False)
+        for key, value, ttl_s in entries:
+            ttl_ms = int(math.ceil(ttl_s * 1000))
+            if ttl_ms <= 0:
+                pipe.delete(self.prefix + key)
+            else:
+                pipe.set(self.prefix + key, value, px=ttl_ms)
+        await pipe.execute()
+
     async def drop_model(self, model: str) -> int:
         match = _glob_escape(self.prefix + _model_part(model) + ":") + "*"
         dropped = 0
@@ -221,9 +258,10 @@ class RedisStore:
 class ResilientStore:
     """Any :class:`CacheStore`, made unable to fail a request.
 
-    Each get/set runs under ``asyncio.wait_for(timeout_s)``; an error or a timeout makes
-    get return None (a miss) and set a no-op, counted in ``errors``. One warning per
-    ``log_interval_s`` summarizes the errors since the last one, never one per request.
+    Each get/set (a get_many/set_many as one) runs under ``asyncio.wait_for(timeout_s)``;
+    an error or a timeout makes get return None (a miss; get_many all misses) and set a
+    no-op, counted in ``errors``. One warning per ``log_interval_s`` summarizes the
+    errors since the last one, never one per request.
 
     A circuit breaker keeps a dead store from costing every request a timeout: after
     ``open_after_errors`` failures in a row, calls are skipped (counted in ``skipped``)
@@ -312,6 +350,28 @@ class ResilientStore:
             await asyncio.wait_for(self.inner.set(key, value, ttl_s), self.timeout_s)
         except Exception as exc:  # noqa: BLE001
             self._failed("set", exc)
+            return
+        self._ok()
+
+    async def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        """All misses when the store fails or is slower than ``timeout_s`` for the whole batch."""
+        if not keys or self._skip():
+            return [None] * len(keys)
+        try:
+            values = await asyncio.wait_for(self.inner.get_many(keys), self.timeout_s)
+        except Exception as exc:  # noqa: BLE001
+            self._failed("get_many", exc)
+            return [None] * len(keys)
+        self._ok()
+        return values
+
+    async def set_many(self, entries: Sequence[Entry]) -> None:
+        if not entries or self._skip():
+            return
+        try:
+            await asyncio.wait_for(self.inner.set_many(entries), self.timeout_s)
+        except Exception as exc:  # noqa: BLE001
+            self._failed("set_many", exc)
             return
         self._ok()
 

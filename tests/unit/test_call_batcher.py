@@ -1,0 +1,127 @@
+"""core.cache.batcher.CallBatcher: the cache's lookups and write-backs, batched. No Ray."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from serve_app.core.cache import CallBatcher
+
+
+class Callee:
+    """send_many that records each batch, answers item * 10 after ``delay_s``, or fails."""
+
+    def __init__(self, delay_s: float = 0.0):
+        self.delay_s, self.batches, self.fail, self.hang = delay_s, [], None, False
+
+    async def __call__(self, items):
+        self.batches.append(list(items))
+        if self.hang:
+            await asyncio.sleep(3600)
+        await asyncio.sleep(self.delay_s)
+        if self.fail is not None:
+            raise self.fail
+        return [item * 10 for item in items]
+
+
+def test_a_lone_call_leaves_at_once_and_calls_in_one_turn_leave_together():
+    async def main():
+        callee = Callee()
+        batcher = CallBatcher(callee, timeout_s=1.0)
+        started = time.perf_counter()
+        assert await batcher.call(1) == 10
+        assert time.perf_counter() - started < 0.05  # no timer to wait out
+        assert await asyncio.gather(*(batcher.call(i) for i in range(5))) == [0, 10, 20, 30, 40]
+        return callee, batcher
+
+    callee, batcher = asyncio.run(main())
+    assert callee.batches == [[1], [0, 1, 2, 3, 4]]
+    assert (batcher.calls, batcher.batches) == (6, 2)
+
+
+def test_calls_made_while_batches_are_out_queue_and_leave_as_one():
+    async def main():
+        callee = Callee(delay_s=0.02)
+        batcher = CallBatcher(callee, timeout_s=1.0, max_in_flight=1)
+        first = asyncio.ensure_future(batcher.call(0))
+        await asyncio.sleep(0.005)  # the first batch is out
+        later = [asyncio.ensure_future(batcher.call(i)) for i in range(1, 8)]
+        results = await asyncio.gather(first, *later)
+        return callee, results
+
+    callee, results = asyncio.run(main())
+    assert results == [i * 10 for i in range(8)]
+    assert callee.batches == [[0], [1, 2, 3, 4, 5, 6, 7]]
+
+
+def test_batches_hold_at_most_max_batch_items():
+    async def main():
+        callee = Callee()
+        batcher = CallBatcher(callee, timeout_s=1.0, max_batch=3, max_in_flight=1)
+        assert await asyncio.gather(*(batcher.call(i) for i in range(7))) == [i * 10 for i in range(7)]
+        return callee
+
+    assert [len(b) for b in asyncio.run(main()).batches] == [3, 3, 1]
+
+
+def test_a_failed_batch_fails_its_callers_only_and_the_next_batch_works():
+    async def main():
+        callee = Callee()
+        batcher = CallBatcher(callee, timeout_s=1.0)
+        callee.fail = ConnectionError("down")
+        outcomes = await asyncio.gather(*(batcher.call(i) for i in range(3)), return_exceptions=True)
+        assert all(isinstance(o, ConnectionError) for o in outcomes)
+        callee.fail = None
+        assert await batcher.call(4) == 40
+
+    asyncio.run(main())
+
+
+def test_a_hung_batch_times_out_and_frees_its_slot():
+    async def main():
+        callee = Callee()
+        batcher = CallBatcher(callee, timeout_s=0.05, max_in_flight=1)
+        callee.hang = True
+        started = time.perf_counter()
+        with pytest.raises(asyncio.TimeoutError):
+            await batcher.call(1)
+        assert time.perf_counter() - started < 0.5
+        callee.hang = False
+        assert await batcher.call(2) == 20  # the slot is free again
+
+    asyncio.run(main())
+
+
+def test_a_wrong_number_of_results_is_an_error_for_every_caller():
+    async def main():
+        async def short(items):
+            return items[:-1]
+
+        batcher = CallBatcher(short, timeout_s=1.0)
+        outcomes = await asyncio.gather(batcher.call(1), batcher.call(2), return_exceptions=True)
+        assert all(isinstance(o, RuntimeError) and "1 results for 2 items" in str(o) for o in outcomes)
+
+    asyncio.run(main())
+
+
+def test_a_caller_that_stops_waiting_leaves_the_others_their_answers():
+    async def main():
+        callee = Callee(delay_s=0.05)
+        batcher = CallBatcher(callee, timeout_s=1.0)
+        impatient = asyncio.ensure_future(asyncio.wait_for(batcher.call(1), 0.01))
+        patient = asyncio.ensure_future(batcher.call(2))
+        with pytest.raises(asyncio.TimeoutError):
+            await impatient
+        assert await patient == 20
+        return callee
+
+    assert [sorted(batch) for batch in asyncio.run(main()).batches] == [[1, 2]]  # one batch
+
+
+def test_settings_are_checked():
+    with pytest.raises(ValueError):
+        CallBatcher(Callee(), timeout_s=0)
+    with pytest.raises(ValueError):
+        CallBatcher(Callee(), timeout_s=1.0, max_batch=0)
