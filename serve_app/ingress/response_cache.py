@@ -165,7 +165,7 @@ class ResponseCache:
         hot = self._hot_get(key)
         if hot is not None:
             return "hit", hot
-        raw = await self._store_call("get", lambda store: self._lookups.call(key))
+        raw = await self._batched("get", self._lookups, key)
         stored = self._decode(raw, call, key=key, revision=revision)
         if stored is not None:
             self._remember(key, raw, stored)
@@ -352,13 +352,8 @@ class ResponseCache:
                    call.result_type.__name__, problem)
         if key is not None:
             self._hot.pop(key, None)
-            self._background_call("drop", lambda store: self._writes.call((key, b"", 0)))  # ttl 0 deletes
+            self._write_later((key, b"", 0))  # ttl 0 deletes
         return None
-
-    def _background_call(self, what: str, start: Callable[[DeploymentHandle], Any]) -> None:
-        task = asyncio.create_task(self._store_call(what, start))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
 
     def _remember(self, key: str, encoded: bytes, result: ModelResult) -> None:
         try:
@@ -395,16 +390,39 @@ class ResponseCache:
         ``namespace``, also its question's vector and text for the semantic index."""
         encoded = encode_value(result.to_wire())
         self._remember(key, encoded, result)
+        if namespace is None or vector is None or question is None:
+            self._write_later((key, encoded, ttl_s))
+            return
 
-        async def write() -> None:
-            await self._store_call("set", lambda store: self._writes.call((key, encoded, ttl_s)))
-            if namespace is not None and vector is not None and question is not None:
-                await self._store_call("semantic_add",
-                                       lambda store: store.semantic_add.remote(namespace, vector, key, question))
+        async def write_then_index() -> None:  # the index may only point at a stored answer
+            await self._batched("set", self._writes, (key, encoded, ttl_s))
+            await self._store_call("semantic_add",
+                                   lambda store: store.semantic_add.remote(namespace, vector, key, question))
 
-        task = asyncio.create_task(write())
+        task = asyncio.create_task(write_then_index())
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+    def _write_later(self, entry: tuple) -> None:
+        """Queue one write for the next batch; nobody waits for it (no task per write)."""
+        if self.store is not None:
+            self._writes.submit(entry).add_done_callback(self._note_write)
+
+    def _note_write(self, outcome: asyncio.Future) -> None:
+        if not outcome.cancelled() and outcome.exception() is not None:
+            self._store_failed("set", outcome.exception())
+
+    async def _batched(self, what: str, batcher: CallBatcher, item: Any) -> Any:
+        """A batched CacheServer call that can only miss: errors and slowness return None.
+        The batcher bounds its time (a batch's own timeout, and at most one wait for a
+        batch already out)."""
+        if self.store is None:
+            return None
+        try:
+            return await batcher.call(item)
+        except Exception as exc:  # degrade, never fail: the model still answers
+            self._store_failed(what, exc)
+            return None
 
     async def _get_many(self, keys: list[str]) -> list[Optional[bytes]]:
         return await self.store.get_many.remote(keys)
@@ -420,13 +438,16 @@ class ResponseCache:
         try:
             return await asyncio.wait_for(start(self.store), timeout=timeout_s or self.config.call_timeout_s)
         except Exception as exc:  # degrade, never fail: the model still answers
-            self.errors += 1
-            self.metrics.errors.inc()
-            now = time.monotonic()
-            if now - self._error_logged_at > 30:
-                logger.warning("cache %s failed (%d errors so far), serving without it: %r", what, self.errors, exc)
-                self._error_logged_at = now
+            self._store_failed(what, exc)
             return None
+
+    def _store_failed(self, what: str, exc: BaseException) -> None:
+        self.errors += 1
+        self.metrics.errors.inc()
+        now = time.monotonic()
+        if now - self._error_logged_at > 30:
+            logger.warning("cache %s failed (%d errors so far), serving without it: %r", what, self.errors, exc)
+            self._error_logged_at = now
 
 
 def _loaded_later(loaded_at: Optional[float], than: Optional[float]) -> bool:

@@ -125,3 +125,20 @@ def test_settings_are_checked():
         CallBatcher(Callee(), timeout_s=0)
     with pytest.raises(ValueError):
         CallBatcher(Callee(), timeout_s=1.0, max_batch=0)
+
+
+def test_submit_queues_without_waiting_and_its_future_carries_the_outcome():
+    async def main():
+        callee = Callee(delay_s=0.01)
+        batcher = CallBatcher(callee, timeout_s=1.0)
+        done = asyncio.ensure_future(batcher.submit(3))
+        assert not done.done()
+        assert await done == 30
+        callee.fail = ConnectionError("down")
+        failed = batcher.submit(4)
+        seen = []
+        failed.add_done_callback(lambda f: seen.append(f.exception()))
+        await asyncio.sleep(0.05)
+        assert isinstance(seen[0], ConnectionError)
+
+    asyncio.run(main())

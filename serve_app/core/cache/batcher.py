@@ -48,11 +48,16 @@ class CallBatcher(Generic[T, R]):
         self.batches = 0  # send_many calls made
 
     async def call(self, item: T) -> R:
+        return await self.submit(item)
+
+    def submit(self, item: T) -> asyncio.Future:
+        """Queue ``item`` and return the future of its result, for a caller that does not
+        wait (a write-back): read its outcome in a done callback."""
         future = asyncio.get_running_loop().create_future()
         self._queued.append((item, future))
         self.calls += 1
         self._start_batches()
-        return await future
+        return future
 
     def _start_batches(self) -> None:
         while self._queued and self._in_flight < self.max_in_flight:
