@@ -142,3 +142,22 @@ def test_submit_queues_without_waiting_and_its_future_carries_the_outcome():
         assert isinstance(seen[0], ConnectionError)
 
     asyncio.run(main())
+
+
+def test_a_quiet_batcher_starts_one_task_per_batch():
+    async def main():
+        batcher = CallBatcher(Callee(), timeout_s=1.0, max_in_flight=2)
+        created = []
+        loop = asyncio.get_running_loop()
+        original = loop.create_task
+
+        def counting(coro, **kw):
+            created.append(coro.__qualname__)
+            return original(coro, **kw)
+
+        loop.create_task = counting
+        for i in range(3):
+            assert await batcher.call(i) == i * 10
+        return created.count("CallBatcher._send_next"), batcher.batches
+
+    assert asyncio.run(main()) == (3, 3)  # no idle second task per call

@@ -43,6 +43,7 @@ class CallBatcher(Generic[T, R]):
         self.max_in_flight = max_in_flight
         self._queued: list[tuple[T, asyncio.Future]] = []
         self._in_flight = 0
+        self._starting = False  # a batch task is created and has not taken its batch yet
         self._tasks: set[asyncio.Task] = set()
         self.calls = 0  # items submitted
         self.batches = 0  # send_many calls made
@@ -60,9 +61,11 @@ class CallBatcher(Generic[T, R]):
         return future
 
     def _start_batches(self) -> None:
-        while self._queued and self._in_flight < self.max_in_flight:
-            # The batch is taken when its task runs, not here: items submitted in the
-            # same turn of the event loop join it.
+        # One batch task at a time is waiting to run; it takes what is queued when it runs,
+        # so items submitted in the same turn of the event loop join it. The next one
+        # starts once it has taken its batch.
+        if self._queued and not self._starting and self._in_flight < self.max_in_flight:
+            self._starting = True
             self._in_flight += 1
             task = asyncio.get_running_loop().create_task(self._send_next())
             self._tasks.add(task)
@@ -70,10 +73,11 @@ class CallBatcher(Generic[T, R]):
 
     async def _send_next(self) -> None:
         batch, self._queued = self._queued[:self.max_batch], self._queued[self.max_batch:]
+        self._starting = False
         try:
-            if batch:
-                self.batches += 1
-                await self._send(batch)
+            self._start_batches()  # what did not fit, into a second slot
+            self.batches += 1
+            await self._send(batch)
         finally:
             self._in_flight -= 1
             self._start_batches()
