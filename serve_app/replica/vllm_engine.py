@@ -182,8 +182,8 @@ def start_vllm(config: ModelConfig, model_dir: Path, revision: str, model_metric
             # a worker process beside it. vLLM's CPU platform picks the worker process unless
             # this is 0, and the two then spin on the shared-memory queue between them
             # (sched_yield, for a second after each message): measured on 2 cores, 2.2 ms of
-            # CPU per embedding request, 11% more requests/s without it. The engine core
-            # still runs in its own process. A value the user exported wins.
+            # CPU per embedding request. The engine core still runs in its own process. A
+            # value the user exported wins.
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     stats_logger = EngineStatsLogger(model_metrics)
     loggers: list[Any] = [lambda vllm_config, engine_index: stats_logger]

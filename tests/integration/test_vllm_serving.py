@@ -79,9 +79,7 @@ def test_on_the_cpu_each_vllm_model_runs_inside_its_engine_core_process(local):
     import psutil
 
     assert _info(local, "minilm")["engine"]["kind"] == "vllm"
-    names = set()
-    for process in psutil.process_iter(["name"]):
-        names.add(process.info["name"] or "")
+    names = {process.info["name"] or "" for process in psutil.process_iter(["name"])}
     assert any(name.startswith("VLLM::EngineCor") for name in names), sorted(names)
     assert not any(name.startswith("VLLM::Worker") for name in names), sorted(names)
 

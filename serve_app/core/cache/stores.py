@@ -125,7 +125,8 @@ class MemoryStore:
         self._cache[key] = _Entry(value, float(ttl_s), size)
 
     async def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
-        return [await self.get(key) for key in keys]
+        self._cache.expire()  # once for the batch, as get() does per key
+        return [None if (entry := self._cache.get(key)) is None else entry.value for key in keys]
 
     async def set_many(self, entries: Sequence[Entry]) -> None:
         for key, value, ttl_s in entries:
@@ -207,7 +208,7 @@ class RedisStore:
         return await self._redis.get(self.prefix + key)
 
     async def set(self, key: str, value: bytes, ttl_s: float) -> None:
-        ttl_ms = int(math.ceil(ttl_s * 1000))
+        ttl_ms = _ttl_ms(ttl_s)
         if ttl_ms <= 0:
             await self._redis.delete(self.prefix + key)
             return
@@ -224,7 +225,7 @@ class RedisStore:
         # One round trip, not a transaction: each write stands alone, as set() does.
         pipe = self._redis.pipeline(transaction=False)
         for key, value, ttl_s in entries:
-            ttl_ms = int(math.ceil(ttl_s * 1000))
+            ttl_ms = _ttl_ms(ttl_s)
             if ttl_ms <= 0:
                 pipe.delete(self.prefix + key)
             else:
@@ -253,6 +254,11 @@ class RedisStore:
     async def close(self) -> None:
         await self._redis.aclose()
         await self._pool.disconnect()
+
+
+def _ttl_ms(ttl_s: float) -> int:
+    """A TTL as Redis's PX takes it: whole milliseconds, rounded up; <= 0 means delete."""
+    return int(math.ceil(ttl_s * 1000))
 
 
 class ResilientStore:
