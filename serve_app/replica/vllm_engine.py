@@ -217,6 +217,8 @@ class EngineStatsLogger:
         self.prefix_queries = 0
         self.prefix_hits = 0
         self.preemptions = 0
+        self.steps = 0  # engine steps that finished at least one request
+        self.step_rows = 0  # requests those steps finished
 
     def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
                engine_idx: int = 0) -> None:
@@ -234,8 +236,13 @@ class EngineStatsLogger:
             self.metrics.engine_running.set(self.running)
             self.metrics.engine_waiting.set(self.waiting)
             self.metrics.kv_cache_usage.set(self.kv_cache_usage)
-        if iteration_stats is not None and iteration_stats.num_preempted_reqs:
-            self.preemptions += iteration_stats.num_preempted_reqs
+        if iteration_stats is not None:
+            if iteration_stats.num_preempted_reqs:
+                self.preemptions += iteration_stats.num_preempted_reqs
+            finished = len(iteration_stats.finished_requests)
+            if finished:
+                self.steps += 1
+                self.step_rows += finished
 
     def log_engine_initialized(self) -> None:
         pass
@@ -256,6 +263,8 @@ class EngineStatsLogger:
             "prefix_cache_hits_tokens": self.prefix_hits,
             "prefix_cache_hit_rate": self.prefix_hits / self.prefix_queries if self.prefix_queries else None,
             "preemptions": self.preemptions,
+            "steps_finishing_requests": self.steps,
+            "requests_finished_per_step": self.step_rows / self.steps if self.steps else None,
         }
 
 

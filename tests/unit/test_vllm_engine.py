@@ -242,9 +242,22 @@ def test_engine_stats_keep_the_latest_step_and_the_prefix_hit_rate():
     for hits in (0, 96):
         logger.record(SimpleNamespace(num_running_reqs=3, num_waiting_reqs=1, kv_cache_usage=0.25,
                                       prefix_cache_stats=SimpleNamespace(queries=128, hits=hits)),
-                      SimpleNamespace(num_preempted_reqs=0))
+                      SimpleNamespace(num_preempted_reqs=0, finished_requests=[]))
     snapshot = logger.snapshot()
     assert snapshot["running_requests"] == 3 and snapshot["waiting_requests"] == 1
     assert snapshot["prefix_cache_hit_rate"] == 96 / 256
     assert metrics.prefix_cache_queries.values == [128, 128] and metrics.prefix_cache_hits.values == [96]
     assert metrics.kv_cache_usage.values == [0.25, 0.25]
+    assert snapshot["steps_finishing_requests"] == 0 and snapshot["requests_finished_per_step"] is None
+
+
+def test_engine_stats_count_requests_finished_per_step():
+    # An embedding request finishes in the step that ran it, so this is vLLM's batch size
+    # for embeddings (the figure the transformers engines report as rows per batch).
+    logger = EngineStatsLogger(FakeMetrics())
+    scheduler = SimpleNamespace(num_running_reqs=0, num_waiting_reqs=0, kv_cache_usage=0.0, prefix_cache_stats=None)
+    for finished in (10, 0, 6):  # a step that finished nothing (a decode step) is not counted
+        logger.record(scheduler, SimpleNamespace(num_preempted_reqs=0, finished_requests=[object()] * finished))
+    logger.record(scheduler, None)
+    snapshot = logger.snapshot()
+    assert snapshot["steps_finishing_requests"] == 2 and snapshot["requests_finished_per_step"] == 8
