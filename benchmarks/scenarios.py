@@ -8,6 +8,7 @@ precision scenarios live in their own modules.
 
 from __future__ import annotations
 
+import copy
 import time
 
 import httpx
@@ -194,7 +195,9 @@ def recipe(ctx: Context) -> ScenarioResult:
     and embedding model exactly as configured; its chat model, idle under this load, is left
     out) vs the embedding deployment Ray Serve's docs have a user write (FastAPI +
     @serve.batch(32, 0.01), the tokenizer padding each batch in arrival order, Ray's default
-    replica options, bf16 where the CPU has it), on the same distinct mixed-length texts."""
+    replica options, bf16 where the CPU has it), on the same distinct mixed-length texts.
+    A third variant, ours with router.gather_calls off (each call its own Serve request),
+    shows what gathering the router's calls gives, side by side."""
     import torch
 
     from benchmarks.recipe import RecipeEmbedder
@@ -205,10 +208,12 @@ def recipe(ctx: Context) -> ScenarioResult:
     embedder = pick_model(application["models"], "embedding")
     precision, why = resolve_precision("auto", torch.device("cpu"))
     recipe_app = RecipeEmbedder.options(max_ongoing_requests=256).bind(embedder["source"], precision)
+    alone = copy.deepcopy(application)
+    alone["router"] = {**(alone.get("router") or {}), "gather_calls": False}
     urls = ctx.cluster.deploy_many({"ours": ctx.cluster.shipped_app(application, [embedder["name"]]),
+                                    "ours-calls-alone": ctx.cluster.shipped_app(alone, [embedder["name"]]),
                                     "recipe": recipe_app})
-    result.derived.update(recipe_precision=f"{precision} ({why})", ours_model=embedder["name"],
-                          ours_engine=model_stats(urls["ours"], embedder["name"]).get("engine"))
+    result.derived.update(recipe_precision=f"{precision} ({why})", ours_model=embedder["name"])
     points = ctx.pick((8, 32), (8, 32), tiny=(8,))
     ref = points[-1]
     # Alternating rounds, summed: one short run per variant moved the recipe's figure
@@ -225,7 +230,8 @@ def recipe(ctx: Context) -> ScenarioResult:
         count = requests_for(concurrency, ctx, per_client=8)
         for round_index in range(rounds):
             offset = sent  # both variants get the same texts in a round, none seen before by either
-            order = list(urls.items()) if round_index % 2 == 0 else list(reversed(urls.items()))
+            turn = round_index % len(urls)  # each variant leads one round in turn
+            order = list(urls.items())[turn:] + list(urls.items())[:turn]
             rates = {}
             for name, url in order:
 
@@ -240,6 +246,9 @@ def recipe(ctx: Context) -> ScenarioResult:
                 rates[name] = run.throughput_rps
             round_ratios.setdefault(concurrency, []).append(rates["ours"] / rates["recipe"] if rates["recipe"] else 0.0)
             sent += count + 8
+    # After the traffic: how vLLM batched it, and how the router gathered its calls.
+    stats = model_stats(urls["ours"], embedder["name"])
+    result.derived.update(ours_engine=stats.get("engine"), ours_gathering=stats.get("gathering"))
     ctx.cluster.delete(*urls)
     throughput = {key: ok / seconds if seconds else 0.0 for key, (ok, seconds) in totals.items()}
     for concurrency in points:
@@ -248,6 +257,8 @@ def recipe(ctx: Context) -> ScenarioResult:
         result.derived[f"round_ratios_c{concurrency}"] = [round(r, 2) for r in round_ratios[concurrency]]
     ratio = throughput[("ours", ref)] / throughput[("recipe", ref)] if throughput[("recipe", ref)] else 0.0
     result.derived[f"throughput_ratio_c{ref}"] = round(ratio, 3)
+    if throughput[("ours-calls-alone", ref)]:
+        result.derived[f"gathering_gain_c{ref}"] = round(throughput[("ours", ref)] / throughput[("ours-calls-alone", ref)], 3)
     result.check(f"ours (as shipped) / Ray-docs recipe throughput, concurrency {ref} ({rounds} alternating rounds)",
                  ratio, 1.5)
     return result

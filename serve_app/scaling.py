@@ -22,6 +22,9 @@ from typing import Any, Optional
 
 from serve_app.core.schedule import Decision, LoadProfile, decide
 
+# The custom metric each ModelServer replica reports (its record_autoscaling_stats).
+ONGOING_CALLS_METRIC = "ongoing_calls"
+
 logger = logging.getLogger("ray.serve")
 
 POLICY_IMPORT_PATH = "serve_app.scaling:DailyProfilePolicy"
@@ -68,6 +71,23 @@ class _ScheduleMetrics:
             self.window.set(1 if name == decision.bounds.window.name else 0, tags={**self._tags, "window": name})
 
 
+def load(ctx: Any) -> float:
+    """The deployment's load in calls: ongoing in its replicas plus queued for them.
+
+    Serve counts requests, and the router sends concurrent embedding and classification
+    calls to a model as one request (``ModelServer.infer_many``), so Serve's count alone
+    would read a replica busy with 30 calls as busy with 2. Each replica reports its
+    calls in progress (``record_autoscaling_stats``); Serve's own count still covers
+    requests queued in handles and replicas that have not reported yet, so the larger
+    of the two is the load.
+    """
+    requests = float(ctx.total_num_requests or 0.0)
+    ongoing = (getattr(ctx, "aggregated_metrics", None) or {}).get(ONGOING_CALLS_METRIC)
+    if not ongoing:
+        return requests
+    return max(requests, sum(ongoing.values()) + float(getattr(ctx, "total_queued_requests", 0.0) or 0.0))
+
+
 class DailyProfilePolicy:
     """Replicas from the time-of-day window, prewarm and load (see core/schedule.py)."""
 
@@ -87,7 +107,7 @@ class DailyProfilePolicy:
         decision, state = decide(
             self.profile,
             now,
-            total_requests=float(ctx.total_num_requests or 0.0),
+            total_requests=load(ctx),
             current_replicas=int(ctx.target_num_replicas),
             state=(ctx.policy_state or {}).get(_STATE_KEY),
         )

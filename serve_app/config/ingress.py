@@ -33,6 +33,12 @@ class RouterConfig(_Section):
         description="Times a request is retried on another replica when the model replica serving it dies "
         "(inference is idempotent); with backoff 0.1 s, 0.2 s, ...",
     )
+    gather_calls: bool = Field(
+        True,
+        description="Send concurrent embedding and classification calls to a model as one Serve request "
+        "(each keeps its own result and errors): about half the CPU per call in the router and the model "
+        "replica, measured on 2 cores. Generation calls always travel alone.",
+    )
     max_body_bytes: int = Field(
         16 * 2**20, ge=1024, description="Largest request body accepted; larger ones get HTTP 413 unread."
     )

@@ -2,7 +2,9 @@
 
 The router turns one HTTP request into exactly one of :class:`EmbedCall`,
 :class:`ClassifyCall` or :class:`GenerateCall` and sends it to the model's replica
-(``ModelServer.infer``, or ``ModelServer.infer_stream`` for a streamed generation).
+(``ModelServer.infer``, or ``ModelServer.infer_stream`` for a streamed generation;
+concurrent embedding and classification calls may travel together through
+``ModelServer.infer_many``, answered by one :class:`CallOutcomes`).
 The replica answers with the call's ``result_type`` (:class:`EmbedResult`,
 :class:`ClassifyResult`, :class:`GenerateResult`) or, streamed, with
 :class:`StreamDelta` events and one :class:`StreamEnd` per row. One object per call,
@@ -328,3 +330,17 @@ class ModelInfo:
     # two revisions answer side by side; the router keeps the revision of the replica
     # loaded last, so its idea of the current revision never goes back to the old one.
     loaded_at: Optional[float] = None
+
+
+@dataclass(frozen=True)
+class CallOutcomes:
+    """``ModelServer.infer_many``'s answer: one outcome per call, in the calls' order.
+
+    An outcome is the call's result or the :class:`~serve_app.core.errors.ServeAppError`
+    it failed with, so one call's 400 or 504 never fails the others that travelled with
+    it. ``replica`` names the replica that answered (None outside Serve): the router
+    counts the replicas it reaches by it, to keep a few groups in flight per replica.
+    """
+
+    outcomes: tuple[Any, ...]  # ModelResult | ServeAppError, per call
+    replica: Optional[str] = None

@@ -24,8 +24,9 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 
 from serve_app.config import ModelConfig, RouterConfig
-from serve_app.core.calls import GenerateCall, ModelCall, ModelInfo, ModelResult, StreamEvent
+from serve_app.core.calls import CallOutcomes, GenerateCall, ModelCall, ModelInfo, ModelResult, StreamEvent
 from serve_app.core.errors import DeadlineExceededError, ModelUnavailableError, OverloadedError, ServeAppError
+from serve_app.ingress.call_gathering import CallGatherer, GatherLimits, gathers
 from serve_app.ingress.http_errors import unwrap
 
 logger = logging.getLogger("ray.serve")
@@ -66,9 +67,15 @@ class ModelBackend(Protocol):
 
 
 class ModelServerBackend:
-    """Our ModelServer deployment: its methods take and return the typed calls."""
+    """Our ModelServer deployment: its methods take and return the typed calls.
 
-    def __init__(self, handle: DeploymentHandle):
+    With ``gather`` (the router's ``gather_calls``, for models whose calls are unary),
+    concurrent calls travel together as one ``infer_many`` request
+    (:mod:`serve_app.ingress.call_gathering`); each still gets its own outcome.
+    """
+
+    def __init__(self, handle: DeploymentHandle, model: Optional[ModelConfig] = None, *,
+                 gather: bool = False, router: Optional[RouterConfig] = None):
         # Start the handle's updates from the controller now. A handle started by its
         # first request only learns later that its model failed to load, and that
         # request waits for replicas that never come; started early, it gets a 503.
@@ -76,9 +83,35 @@ class ModelServerBackend:
             handle._init()
         self.handle = handle
         self.streaming = handle.options(stream=True)
+        self.gatherer: Optional[CallGatherer] = None
+        if gather and model is not None and gathers(model.task):
+            router = router or RouterConfig()
+            self.gatherer = CallGatherer(
+                self._infer_many,
+                GatherLimits.of(model.max_ongoing_requests, model.max_queued_requests, model.batching.max_batch_size),
+                overloaded=lambda: overloaded_error(model.name, router.retry_after_s),
+                default_timeout_s=router.request_timeout_s,
+            )
 
     def infer(self, call: ModelCall) -> PendingCall:
+        if self.gatherer is not None and not isinstance(call, GenerateCall):
+            return self.gatherer.submit(call)
         return self.handle.infer.remote(call)
+
+    async def _infer_many(self, calls: list[ModelCall]) -> CallOutcomes:
+        response = self.handle.infer_many.remote(calls)
+        try:
+            return await response
+        except asyncio.CancelledError:  # the group's time ran out: stop it in the replica too
+            response.cancel()
+            raise
+        except Exception as exc:
+            if "'infer_many' that does not exist" not in str(unwrap(exc)):
+                raise
+        # A replica of a release before infer_many, met during a rolling update: each
+        # call alone, as that release's router sent them.
+        outcomes = await asyncio.gather(*(self.handle.infer.remote(call) for call in calls), return_exceptions=True)
+        return CallOutcomes(outcomes=tuple(outcomes))
 
     def infer_stream(self, call: GenerateCall) -> PendingStream:
         return self.streaming.infer_stream.remote(call)
@@ -97,6 +130,11 @@ class ModelClient:
         self.backends = backends
         self.config = config
         self.replica_retries: Counter = Counter()  # per model: calls retried after a replica died
+
+    def gathering(self, model_name: str) -> Optional[dict]:
+        """How this router gathers the model's calls (``CallGatherer.stats``), or None."""
+        gatherer = getattr(self.backends[model_name], "gatherer", None)
+        return None if gatherer is None else gatherer.stats()
 
     def deadline(self) -> float:
         """The deadline (time.monotonic()) of a request arriving now. One request's calls
@@ -200,9 +238,11 @@ class ModelClient:
                 "log says why, for example a model that failed to load); the other models still serve"
             )
         if isinstance(original, BackPressureError):
-            retry_after_s = self.config.retry_after_s
-            return OverloadedError(
-                f"model {model.name!r} is at capacity (its queue is full); retry after {retry_after_s}s",
-                retry_after_s=retry_after_s,
-            )
+            return overloaded_error(model.name, self.config.retry_after_s)
         return exc
+
+
+def overloaded_error(model_name: str, retry_after_s: int) -> OverloadedError:
+    """The 503 for a model whose queue is full."""
+    return OverloadedError(f"model {model_name!r} is at capacity (its queue is full); retry after {retry_after_s}s",
+                           retry_after_s=retry_after_s)

@@ -65,8 +65,11 @@ class Router:
                                 admin_env=auth.admin_keys_env, admin_file=auth.admin_keys_file)
         logger.info("API keys: %s", "required" if keys else "off")
         self.state = IngressState(keys=keys, max_body_bytes=self.config.router.max_body_bytes)
-        self.client = ModelClient({name: ModelServerBackend(h) for name, h in model_handles.items()},
-                                  self.config.router)
+        router = self.config.router
+        self.client = ModelClient(
+            {name: ModelServerBackend(h, self.models[name], gather=router.gather_calls, router=router)
+             for name, h in model_handles.items()},
+            router)
         self.cache = ResponseCache(self.config.cache, cache_handle, self.models, self.client)
         self.status = ServiceStatus(self.models, self.client, self.cache)
         self.created = int(time.time())

@@ -82,6 +82,8 @@ class ServiceStatus:
                 # Serve's own words (why a deployment failed): for operators only, as
                 # /v1/stats needs an admin key when auth is on; /healthz never shows them.
                 "deployment": {"status": state["status"], "message": state["message"]} if state else None,
+                # This router replica's gathering of the model's calls (None: each call alone).
+                "gathering": self.client.gathering(name),
                 **snapshot,
             }
         return {
