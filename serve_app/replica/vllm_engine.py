@@ -167,6 +167,28 @@ def engine_args(config: ModelConfig, model_dir: Path) -> dict[str, Any]:
     return args
 
 
+def cpu_engine_env(config: ModelConfig) -> dict[str, str]:
+    """The environment vLLM's CPU build starts a model's engine core with (pure, for tests);
+    the engine core process inherits it from the replica."""
+    env = {
+        # vLLM's CPU build sizes its KV cache from this variable (GiB).
+        "VLLM_CPU_KVCACHE_SPACE": str(config.vllm.cpu_kv_cache_gib),
+        # The engine core's torch threads (it reads OMP_NUM_THREADS at start): the model's
+        # resources.torch_threads, else its num_cpus rounded up, as for the transformers
+        # runtime. Without it the engine core ran on Ray's setting for the replica (one
+        # thread here), whatever the config said.
+        "OMP_NUM_THREADS": str(config.effective_torch_threads()),
+    }
+    if config.vllm.tensor_parallel_size == 1:
+        # Run the model inside the engine core process (vLLM's "uni" executor) instead of
+        # a worker process beside it. vLLM's CPU platform picks the worker process unless
+        # this is 0, and the two then spin on the shared-memory queue between them
+        # (sched_yield, for a second after each message): measured on 2 cores, 2.2 ms of
+        # CPU per embedding request. The engine core still runs in its own process.
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    return env
+
+
 def start_vllm(config: ModelConfig, model_dir: Path, revision: str, model_metrics: Any) -> VLLMRuntime:
     """Start vLLM's async engine for the model (its engine core runs in a child process)."""
     from vllm import AsyncEngineArgs
@@ -174,17 +196,12 @@ def start_vllm(config: ModelConfig, model_dir: Path, revision: str, model_metric
 
     on_gpu = config.resources.num_gpus > 0 and config.device != "cpu"
     if not on_gpu:
-        # vLLM's CPU build sizes its KV cache from this variable (GiB); the engine core
-        # process inherits it.
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(config.vllm.cpu_kv_cache_gib)
-        if config.vllm.tensor_parallel_size == 1:
-            # Run the model inside the engine core process (vLLM's "uni" executor) instead of
-            # a worker process beside it. vLLM's CPU platform picks the worker process unless
-            # this is 0, and the two then spin on the shared-memory queue between them
-            # (sched_yield, for a second after each message): measured on 2 cores, 2.2 ms of
-            # CPU per embedding request. The engine core still runs in its own process. A
-            # value the user exported wins.
-            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        for name, value in cpu_engine_env(config).items():
+            # A VLLM_ENABLE_V1_MULTIPROCESSING the user exported wins; the others are ours.
+            if name == "VLLM_ENABLE_V1_MULTIPROCESSING":
+                os.environ.setdefault(name, value)
+            else:
+                os.environ[name] = value
     stats_logger = EngineStatsLogger(model_metrics)
     loggers: list[Any] = [lambda vllm_config, engine_index: stats_logger]
     with contextlib.suppress(ImportError):

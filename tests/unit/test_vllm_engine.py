@@ -16,7 +16,7 @@ import pytest
 from serve_app.config import ModelConfig
 from serve_app.core.calls import ChatTurn, GenerateCall, StreamDelta, StreamEnd
 from serve_app.core.errors import ContextLengthExceededError, DeadlineExceededError, ModelUnavailableError
-from serve_app.replica.vllm_engine import EngineStatsLogger, VLLMRuntime, engine_args
+from serve_app.replica.vllm_engine import EngineStatsLogger, VLLMRuntime, cpu_engine_env, engine_args
 
 from replica_fakes import FakeMetrics, run, server
 
@@ -234,6 +234,16 @@ def test_engine_args_follow_the_config():
     # "auto" is the replica's to resolve on its node; vLLM never gets a guess.
     with pytest.raises(ValueError, match="precision 'auto' is not resolved"):
         engine_args(ModelConfig(name="a", source="/m", task="embedding", engine="vllm"), Path("/m"))
+
+
+def test_cpu_engine_core_gets_the_models_torch_threads():
+    default = ModelConfig(name="e", source="/m", task="embedding", engine="vllm", resources={"num_cpus": 0.8})
+    assert cpu_engine_env(default)["OMP_NUM_THREADS"] == "1"  # num_cpus rounded up
+    assert cpu_engine_env(default)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # the model in the engine core
+    two = ModelConfig(name="e", source="/m", task="embedding", engine="vllm",
+                      resources={"num_cpus": 0.8, "torch_threads": 2}, vllm={"cpu_kv_cache_gib": 2})
+    assert cpu_engine_env(two) == {"VLLM_CPU_KVCACHE_SPACE": "2", "OMP_NUM_THREADS": "2",
+                                   "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 def test_engine_stats_keep_the_latest_step_and_the_prefix_hit_rate():
