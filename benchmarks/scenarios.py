@@ -26,6 +26,7 @@ from benchmarks.registry import (
     run_open,
     scenario,
 )
+from benchmarks.process_cpu import ProcessCPU, per_request_ms
 from benchmarks.service import pick_model, variant
 from benchmarks.workloads import CHAT_PROMPTS, mixed_texts
 
@@ -224,6 +225,8 @@ def recipe(ctx: Context) -> ScenarioResult:
         run_closed(url, lambda i: ("/v1/embeddings", {"model": embedder["name"], "input": RECIPE_WARMUP_TEXTS[i]}),
                    concurrency=points[-1], requests=warmup, label=f"{name} warm-up", ctx=ctx)
     totals: dict[tuple[str, int], list[float]] = {}  # (variant, concurrency) -> [requests ok, seconds]
+    # (variant, concurrency) -> CPU seconds by process role, over its rounds (warm-up requests included)
+    cpu_seconds: dict[tuple[str, int], dict[str, float]] = {}
     round_ratios: dict[int, list[float]] = {}
     sent = 0
     for concurrency in points:
@@ -238,8 +241,12 @@ def recipe(ctx: Context) -> ScenarioResult:
                 def make(i: int, offset: int = offset, model: str = embedder["name"]):
                     return "/v1/embeddings", {"model": model, "input": RECIPE_TEXTS[(offset + i) % len(RECIPE_TEXTS)]}
 
-                run = run_closed(url, make, concurrency=concurrency, requests=count, label=name, ctx=ctx, warmup=8)
+                with ProcessCPU(name) as cpu:
+                    run = run_closed(url, make, concurrency=concurrency, requests=count, label=name, ctx=ctx, warmup=8)
                 result.add(run, name, round=round_index + 1)
+                spent = cpu_seconds.setdefault((name, concurrency), {})
+                for role, seconds in cpu.seconds.items():
+                    spent[role] = spent.get(role, 0.0) + seconds
                 total = totals.setdefault((name, concurrency), [0.0, 0.0])
                 total[0] += run.requests - run.errors
                 total[1] += run.duration_s
@@ -257,6 +264,9 @@ def recipe(ctx: Context) -> ScenarioResult:
         result.derived[f"round_ratios_c{concurrency}"] = [round(r, 2) for r in round_ratios[concurrency]]
     ratio = throughput[("ours", ref)] / throughput[("recipe", ref)] if throughput[("recipe", ref)] else 0.0
     result.derived[f"throughput_ratio_c{ref}"] = round(ratio, 3)
+    # Where a request's CPU goes, per variant at the reference concurrency.
+    result.derived[f"cpu_ms_per_request_c{ref}"] = {
+        name: per_request_ms(cpu_seconds[(name, ref)], totals[(name, ref)][0] + 8 * rounds) for name in urls}
     if throughput[("ours-calls-alone", ref)]:
         result.derived[f"gathering_gain_c{ref}"] = round(throughput[("ours", ref)] / throughput[("ours-calls-alone", ref)], 3)
     result.check(f"ours (as shipped) / Ray-docs recipe throughput, concurrency {ref} ({rounds} alternating rounds)",

@@ -53,3 +53,31 @@ def test_closed_and_open_loop_count_requests_errors_and_units():
     assert opened.requests == 20 and opened.errors == 2
     summary = closed.summary()
     assert summary["p50_ms"] is not None and summary["throughput_rps"] > 0
+
+
+def test_process_cpu_counts_a_replicas_cpu_by_role_and_its_children():
+    import subprocess
+    import sys
+    import time
+
+    from benchmarks.process_cpu import ProcessCPU, per_request_ms
+
+    # A stand-in replica titled as Serve titles one, spinning for 1.5 s of CPU, with a
+    # child (an engine core) that spins as long.
+    spin = "import time; t = time.process_time(); exec('while time.process_time() - t < 1.5: pass')"
+    code = f"import subprocess, sys; c = subprocess.Popen([sys.executable, '-c', {spin!r}]); {spin}; c.wait()"
+    replica = subprocess.Popen([sys.executable, "-c", code, "ray::ServeReplica:bench-app:Router"])
+    try:
+        time.sleep(0.3)  # both started
+        with ProcessCPU("bench-app") as cpu:
+            time.sleep(0.5)
+        with ProcessCPU("other-app") as other:
+            pass
+    finally:
+        replica.kill()
+        replica.wait()
+    assert set(cpu.seconds) == {"Router", "Router/child"}
+    for seconds in cpu.seconds.values():  # each spun through the 0.5 s window
+        assert 0.15 <= seconds <= 0.7, cpu.seconds
+    assert other.seconds == {}
+    assert per_request_ms({"Router": 0.5, "Router/child": 1.5}, 1000) == {"Router": 0.5, "Router/child": 1.5, "all": 2.0}
