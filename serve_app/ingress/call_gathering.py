@@ -2,10 +2,10 @@
 
 Each Serve request costs CPU on both sides of the handle whatever it carries (gRPC,
 routing, the replica's request handling): on 2 cores, measured at concurrency 32 with
-the shipped MiniLM on vLLM, 1.6-1.7 ms in the router and 1.5-1.6 ms in the ModelServer
-per embedding request, as much as the model's own 4 ms. Sent as one
-``ModelServer.infer_many`` per group, the calls cost about half of that, and their
-rows still batch in the replica as if they had come one by one.
+the shipped MiniLM on vLLM (the recipe benchmark), 2.7 ms in the router and 2.5 ms in
+the ModelServer per embedding request sent alone. Sent as one ``ModelServer.infer_many``
+per group (about 10 calls at that load), they cost 1.6 and 1.2 ms, and their rows still
+batch in the replica as if they had come one by one.
 
 A group forms from what waits while the model's replicas are busy: with fewer than
 :data:`GROUPS_PER_REPLICA` groups in flight per replica, a call leaves at once (after
