@@ -7,7 +7,7 @@ import logging
 import math
 import re
 import time
-from typing import Callable, Protocol, Sequence, runtime_checkable
+from typing import Awaitable, Callable, Protocol, Sequence, TypeVar, runtime_checkable
 
 import cachetools
 
@@ -20,6 +20,7 @@ logger = logging.getLogger(__package__)
 
 # One write: (key, value, ttl_s); a ttl_s <= 0 deletes the key.
 Entry = tuple[str, bytes, float]
+T = TypeVar("T")
 
 
 @runtime_checkable
@@ -338,57 +339,40 @@ class ResilientStore:
             self._last_log = now
             self._unlogged = 0
 
-    async def get(self, key: str) -> bytes | None:
-        if self._skip():
-            return None
+    async def _guarded(self, op: str, start: Callable[[], Awaitable[T]], fallback: T, *,
+                       timeout_s: float | None = None, breaker: bool = True) -> T:
+        """``await start()`` within the timeout, or ``fallback`` when it fails, times out or
+        the breaker is open; each failure is counted and logged by :meth:`_failed`."""
+        if breaker and self._skip():
+            return fallback
         try:
-            value = await asyncio.wait_for(self.inner.get(key), self.timeout_s)
-        except Exception as exc:  # noqa: BLE001 - any failure is a miss; CancelledError passes
-            self._failed("get", exc)
-            return None
+            result = await asyncio.wait_for(start(), self.timeout_s if timeout_s is None else timeout_s)
+        except Exception as exc:  # noqa: BLE001 - any failure is the fallback; CancelledError passes
+            self._failed(op, exc)
+            return fallback
         self._ok()
-        return value
+        return result
+
+    async def get(self, key: str) -> bytes | None:
+        return await self._guarded("get", lambda: self.inner.get(key), None)
 
     async def set(self, key: str, value: bytes, ttl_s: float) -> None:
-        if self._skip():
-            return
-        try:
-            await asyncio.wait_for(self.inner.set(key, value, ttl_s), self.timeout_s)
-        except Exception as exc:  # noqa: BLE001
-            self._failed("set", exc)
-            return
-        self._ok()
+        await self._guarded("set", lambda: self.inner.set(key, value, ttl_s), None)
 
     async def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         """All misses when the store fails or is slower than ``timeout_s`` for the whole batch."""
-        if not keys or self._skip():
-            return [None] * len(keys)
-        try:
-            values = await asyncio.wait_for(self.inner.get_many(keys), self.timeout_s)
-        except Exception as exc:  # noqa: BLE001
-            self._failed("get_many", exc)
-            return [None] * len(keys)
-        self._ok()
-        return values
+        if not keys:
+            return []
+        return await self._guarded("get_many", lambda: self.inner.get_many(keys), [None] * len(keys))
 
     async def set_many(self, entries: Sequence[Entry]) -> None:
-        if not entries or self._skip():
-            return
-        try:
-            await asyncio.wait_for(self.inner.set_many(entries), self.timeout_s)
-        except Exception as exc:  # noqa: BLE001
-            self._failed("set_many", exc)
-            return
-        self._ok()
+        if entries:
+            await self._guarded("set_many", lambda: self.inner.set_many(entries), None)
 
     async def drop_model(self, model: str) -> int:
-        try:
-            dropped = await asyncio.wait_for(self.inner.drop_model(model), self.drop_timeout_s)
-        except Exception as exc:  # noqa: BLE001
-            self._failed("drop_model", exc)
-            return 0
-        self._ok()
-        return dropped
+        # An admin call: past an open breaker too, and with its own, longer timeout.
+        return await self._guarded("drop_model", lambda: self.inner.drop_model(model), 0,
+                                   timeout_s=self.drop_timeout_s, breaker=False)
 
     async def size_bytes(self) -> int | None:
         try:
