@@ -212,6 +212,11 @@ class EmbedCall:
 
     result_type: ClassVar[type] = EmbedResult
 
+    @property
+    def rows(self) -> int:
+        """Inputs the call puts into the model's batch."""
+        return len(self.texts)
+
     def cache_input(self) -> Any:
         return list(self.texts)
 
@@ -233,6 +238,11 @@ class ClassifyCall:
     def __post_init__(self) -> None:
         if (self.texts is None) == (self.images is None):
             raise ValueError("a ClassifyCall carries exactly one of texts or images")
+
+    @property
+    def rows(self) -> int:
+        """Inputs the call puts into the model's batch."""
+        return len(self.texts if self.texts is not None else self.images)
 
     def cache_input(self) -> Any:
         return list(self.texts if self.texts is not None else self.images)

@@ -61,14 +61,6 @@ class GatherLimits:
                    max_ongoing_per_replica=max_ongoing_requests, max_queued=max_queued_requests)
 
 
-def call_rows(call: ModelCall) -> int:
-    """The inputs (rows) a call puts into the model's batch."""
-    inputs = getattr(call, "texts", None)
-    if inputs is None:
-        inputs = getattr(call, "images", None) or ()
-    return len(inputs)
-
-
 @dataclass
 class _Waiting:
     call: ModelCall
@@ -108,7 +100,7 @@ class CallGatherer:
         if self._calls_in_flight + len(self._waiting) >= capacity:
             raise self._overloaded()
         future = asyncio.get_running_loop().create_future()
-        waiting = _Waiting(call, call_rows(call), future)
+        waiting = _Waiting(call, call.rows, future)
         self._waiting.append(waiting)
         self._waiting_rows += waiting.rows
         self.calls += 1

@@ -19,7 +19,7 @@ from replica_fakes import FakeEncoder, server
 from serve_app.config import ModelConfig, RouterConfig
 from serve_app.core.calls import CallOutcomes, EmbedCall, EmbedResult, GenerateCall
 from serve_app.core.errors import DeadlineExceededError, InvalidRequestError, OverloadedError, ServeAppError
-from serve_app.ingress.call_gathering import GROUPS_PER_REPLICA, CallGatherer, GatherLimits, call_rows, gathers
+from serve_app.ingress.call_gathering import GROUPS_PER_REPLICA, CallGatherer, GatherLimits, gathers
 from serve_app.ingress.model_client import ModelClient, ModelServerBackend
 from serve_app.scaling import ONGOING_CALLS_METRIC, load
 
@@ -102,7 +102,7 @@ def test_groups_are_bounded_by_calls_and_rows_and_a_big_call_travels_alone():
         gatherer = _gatherer(replica.send_many, max_ongoing=6, max_queued=64, max_batch=4)
         calls = [_call("a"), _call("b"), _call("c"), _call("d"), _call("e", "f", "g"), _call(*"hijklm"), _call("n")]
         await asyncio.gather(*(gatherer.submit(call) for call in calls))
-        return [[call_rows(call) for call in group] for group in replica.groups]
+        return [[call.rows for call in group] for group in replica.groups]
 
     groups = asyncio.run(scenario())
     assert groups == [[1, 1, 1], [1, 3], [6], [1]]
