@@ -1,8 +1,10 @@
 """Benchmark-only stand-ins for ModelServer behind our Router. Never used by the service.
 
-They speak the same typed contract as the real replica (``serve_app.core.calls``):
-``infer(EmbedCall) -> EmbedResult``, ``info() -> ModelInfo`` and ``get_stats() -> dict``
-with the real replica's counter keys. Like the real replica they honour
+They implement the real replica's API (``serve_app.core.calls.ModelServerAPI``, checked
+by a test): ``infer(EmbedCall) -> EmbedResult``, ``infer_many`` (the router gathers
+concurrent calls into it, and counts replicas by the id its answer carries),
+``info() -> ModelInfo``, ``check_health`` and ``get_stats() -> dict`` with the real
+replica's counter keys. Like the real replica they honour
 ``call.deadline``: a call whose deadline passed while it waited fails with
 DeadlineExceededError (a 504), and any call other than an EmbedCall (or a streamed
 call) is refused with InvalidRequestError (a 400), as ModelServer refuses a task its
@@ -17,12 +19,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Optional, Sequence
 
 from ray import serve
 
-from serve_app.core.calls import EmbedCall, EmbedResult, ModelInfo
-from serve_app.core.errors import DeadlineExceededError, InvalidRequestError
+from serve_app.core.calls import CallOutcomes, EmbedCall, EmbedResult, ModelCall, ModelInfo, answer_each
+from serve_app.core.errors import DeadlineExceededError, InvalidRequestError, ServeAppError
 from serve_app.replica.stats import BatchStats
 
 
@@ -71,6 +73,13 @@ class _StubEmbedder:
         self._record(len(call.texts), tokens, self._queue_wait_s(arrived))
         return EmbedResult(embeddings=[list(self.vector) for _ in call.texts], prompt_tokens=tokens)
 
+    async def infer_many(self, calls: Sequence[ModelCall]) -> CallOutcomes:
+        return await answer_each(self.infer, calls, replica=_replica_id(), unexpected=lambda exc: ServeAppError(
+            f"benchmark stub {self.name!r} failed: {type(exc).__name__}: {exc}", code="internal_error"))
+
+    async def check_health(self) -> None:
+        pass
+
     async def infer_stream(self, call: Any) -> AsyncIterator[Any]:
         raise InvalidRequestError(f"model {self.name!r} is a benchmark stub that does not stream",
                                   param="model", code="wrong_task")
@@ -101,11 +110,14 @@ class _StubEmbedder:
 
     async def get_stats(self) -> dict:
         """The real ModelServer's keys (its batching counters, a last_minute summary)."""
-        try:
-            replica = serve.get_replica_context().replica_id.unique_id
-        except Exception:  # outside a replica (a direct call in a test)
-            replica = None
-        return {"replica": replica, "batching": self._batching(), **self.stats.snapshot()}
+        return {"replica": _replica_id(), "batching": self._batching(), **self.stats.snapshot()}
+
+
+def _replica_id() -> Optional[str]:
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # outside a replica (a direct call in a test)
+        return None
 
 
 @serve.deployment

@@ -147,6 +147,16 @@ class BatchMetrics:
         self.prefix_cache_hits = counter(
             "serve_app_prefix_cache_hits_tokens",
             "Prompt tokens found in the engine's prefix cache (hit rate: hits / queries).")
+        # Minutes on a cold node, seconds with caches filled.
+        self.startup = metrics.Histogram(
+            "serve_app_replica_startup_seconds",
+            description="Per replica start: seconds of each phase (process: worker start and imports; load: the "
+            "model's files; engine: weights, and on vLLM compile and KV-cache sizing; warmup: its warm-up calls) "
+            "and total, process start to ready.",
+            boundaries=[1, 2, 5, 10, 20, 30, 60, 120, 180, 300, 600, 1200],
+            tag_keys=("model", "phase"),
+        )
+        self.startup.set_default_tags({"model": model})
         self.rows = counter("serve_app_rows", "Inputs run by the model.")
         self.batches = counter("serve_app_batches", "Model batches run.")
         self.model_calls = counter("serve_app_model_calls", "Model calls (sub-batches) run.")

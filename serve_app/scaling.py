@@ -20,15 +20,18 @@ import logging
 import time
 from typing import Any, Optional
 
-from serve_app.core.schedule import Decision, LoadProfile, decide
+from serve_app.core.schedule import STARTUP_SAMPLES, Decision, LoadProfile, PrewarmLead, decide, prewarm_lead
 
-# The custom metric each ModelServer replica reports (its record_autoscaling_stats).
+# The custom metrics each ModelServer replica reports (its record_autoscaling_stats):
+# the calls in progress, and how long the replica took from its process start to ready.
 ONGOING_CALLS_METRIC = "ongoing_calls"
+STARTUP_METRIC = "startup_s"
 
 logger = logging.getLogger("ray.serve")
 
 POLICY_IMPORT_PATH = "serve_app.scaling:DailyProfilePolicy"
 _STATE_KEY = "serve_app_schedule"
+_STARTUPS_KEY = "serve_app_startups"
 
 
 class _ScheduleMetrics:
@@ -60,9 +63,16 @@ class _ScheduleMetrics:
             description="1 for the load-profile window in force, 0 for the others.",
             tag_keys=("model", "window"),
         )
+        self.prewarm_lead = metrics.Gauge(
+            "serve_app_schedule_prewarm_lead_seconds",
+            description="How long before a window opens its floor is raised (profile clock): the measured "
+            "start-up p95 plus the margin, or prewarm_s.",
+            tag_keys=("model",),
+        )
         self._window_names = window_names
 
-    def publish(self, decision: Decision) -> None:
+    def publish(self, decision: Decision, lead: PrewarmLead) -> None:
+        self.prewarm_lead.set(lead.seconds, tags=self._tags)
         self.min_replicas.set(decision.bounds.min_replicas, tags=self._tags)
         self.max_replicas.set(decision.bounds.max_replicas, tags=self._tags)
         self.desired.set(decision.replicas, tags=self._tags)
@@ -88,6 +98,19 @@ def load(ctx: Any) -> float:
     return max(requests, sum(ongoing.values()) + float(getattr(ctx, "total_queued_requests", 0.0) or 0.0))
 
 
+def startups(ctx: Any, known: dict[str, float]) -> dict[str, float]:
+    """``known`` (replica id -> start-up seconds) with the start-ups that running replicas
+    report now, keeping the latest :data:`STARTUP_SAMPLES` replicas: a replica reports its
+    start-up as long as it runs, and it is remembered after it stops."""
+    reported = (getattr(ctx, "aggregated_metrics", None) or {}).get(STARTUP_METRIC) or {}
+    merged = dict(known)
+    for replica, seconds in reported.items():
+        key = getattr(replica, "unique_id", None) or str(replica)
+        if seconds and seconds > 0 and key not in merged:
+            merged[key] = round(float(seconds), 3)
+    return dict(list(merged.items())[-STARTUP_SAMPLES:])
+
+
 class DailyProfilePolicy:
     """Replicas from the time-of-day window, prewarm and load (see core/schedule.py)."""
 
@@ -98,28 +121,34 @@ class DailyProfilePolicy:
         self._last_logged: Optional[tuple] = None
         self._metrics: Optional[_ScheduleMetrics] = None
         self.last_decision: Optional[Decision] = None
+        self.last_lead: Optional[PrewarmLead] = None
 
     def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
         real_now = ctx.current_time if getattr(ctx, "current_time", None) else time.time()
         if self._started_unix_s is None:
             self._started_unix_s = real_now
         now = self.profile.now(real_now, self._started_unix_s)
+        policy_state = ctx.policy_state or {}
+        measured = startups(ctx, policy_state.get(_STARTUPS_KEY) or {})
+        lead = prewarm_lead(self.profile, list(measured.values()))
         decision, state = decide(
             self.profile,
             now,
             total_requests=load(ctx),
             current_replicas=int(ctx.target_num_replicas),
-            state=(ctx.policy_state or {}).get(_STATE_KEY),
+            state=policy_state.get(_STATE_KEY),
+            prewarm_s=lead.seconds,
         )
         self.last_decision = decision
-        self._publish(decision, now)
-        return decision.replicas, {_STATE_KEY: state}
+        self.last_lead = lead
+        self._publish(decision, now, lead)
+        return decision.replicas, {_STATE_KEY: state, _STARTUPS_KEY: measured}
 
-    def _publish(self, decision: Decision, now) -> None:
+    def _publish(self, decision: Decision, now, lead: PrewarmLead) -> None:
         try:
             if self._metrics is None:
                 self._metrics = _ScheduleMetrics(self.model, [w.name for w in self.profile.windows])
-            self._metrics.publish(decision)
+            self._metrics.publish(decision, lead)
         except Exception:  # metrics must never stop scaling (e.g. Ray metrics not initialised)
             logger.debug("serve_app: could not publish schedule metrics", exc_info=True)
         # One line per change of course, not one per tick.
@@ -128,11 +157,13 @@ class DailyProfilePolicy:
             self._last_logged = key
             clock = " (simulated clock)" if self.profile.clock else ""
             logger.info(
-                "serve_app schedule: model=%s time=%s%s replicas=%d cause=%s: %s",
+                "serve_app schedule: model=%s time=%s%s replicas=%d cause=%s: %s; prewarm lead %.0f s (%s)",
                 self.model,
                 now.strftime("%a %H:%M"),
                 clock,
                 decision.replicas,
                 decision.cause,
                 decision.reason,
+                lead.seconds,
+                lead.reason,
             )

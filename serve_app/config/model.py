@@ -167,6 +167,12 @@ class ModelConfig(_Section):
         "(task, architecture, quantization: none), else transformers; the replica logs which and why.",
     )
     vllm: VLLMConfig = Field(default_factory=VLLMConfig, description="vLLM engine options (models that run on vLLM).")
+    warmup: bool = Field(
+        True,
+        description="Before a replica reports healthy (so before Serve routes to it), it answers warm-up calls "
+        "of the lengths and batch widths it will serve, so its first real requests run at full speed; its "
+        "start-up (process start to ready) is logged, exported and read by the prewarm lead.",
+    )
 
     @field_validator("name")
     @classmethod

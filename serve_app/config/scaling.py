@@ -79,7 +79,16 @@ class LoadProfileConfig(_Section):
         ge=0,
         le=86400,
         description="Raise the floor this many seconds before a window with a higher floor opens "
-        "(cover replica start time: node launch + model load).",
+        "(cover replica start time: node launch + model load). With prewarm_margin_s set, only until "
+        "the model's replicas have reported a start-up.",
+    )
+    prewarm_margin_s: Optional[float] = Field(
+        None,
+        ge=0,
+        le=86400,
+        description="Set: the prewarm lead is the start-up p95 the model's replicas report (process start to "
+        "ready, last 20 starts) plus this margin (cover node launch and image pull); the policy logs the lead. "
+        "Unset: the lead is always prewarm_s.",
     )
     upscale_delay_s: float = Field(30.0, ge=0, description="Load must ask for more replicas this long before they are added.")
     downscale_delay_s: float = Field(

@@ -21,9 +21,13 @@ This module must never import ray or torch.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import inspect
 from dataclasses import dataclass
-from typing import Any, ClassVar, Optional, Union
+from typing import Any, AsyncIterator, Awaitable, Callable, ClassVar, Optional, Protocol, Sequence, Union
+
+from serve_app.core.errors import ServeAppError
 
 
 @dataclass(frozen=True)
@@ -354,3 +358,64 @@ class CallOutcomes:
 
     outcomes: tuple[Any, ...]  # ModelResult | ServeAppError, per call
     replica: Optional[str] = None
+
+
+class ModelServerAPI(Protocol):
+    """What the router calls on a model deployment's replica: the one declared API that
+    the real replica (``serve_app.replica.model_server.ModelServer``), the benchmark
+    stubs (``benchmarks.stubs``) and the tests' fakes all implement, so none of them can
+    lack a method the router relies on (tests check each against this class)."""
+
+    async def infer(self, call: ModelCall) -> ModelResult:
+        """The call's ``result_type``, or raises a ServeAppError."""
+
+    async def infer_many(self, calls: Sequence[ModelCall]) -> CallOutcomes:
+        """Each call's outcome, as :meth:`infer` would answer it alone."""
+
+    def infer_stream(self, call: GenerateCall) -> AsyncIterator[StreamEvent]:
+        """A streamed generation: StreamDelta events, then one StreamEnd per row."""
+
+    async def info(self) -> ModelInfo:
+        """What the replica serves (revision, context window, engine)."""
+
+    async def get_stats(self) -> dict:
+        """The replica's counters for /v1/stats."""
+
+    async def check_health(self) -> None:
+        """Serve's health check: raises while the replica cannot serve."""
+
+
+MODEL_SERVER_METHODS: tuple[str, ...] = tuple(
+    name for name in vars(ModelServerAPI) if not name.startswith("_") and callable(getattr(ModelServerAPI, name)))
+
+
+def missing_model_server_methods(cls: type) -> list[str]:
+    """The :class:`ModelServerAPI` methods ``cls`` lacks or declares differently (sync
+    where the API is async, other parameter names), each as a readable line."""
+    problems = []
+    for name in MODEL_SERVER_METHODS:
+        declared, implemented = getattr(ModelServerAPI, name), getattr(cls, name, None)
+        if implemented is None:
+            problems.append(f"{cls.__name__}.{name} is missing")
+            continue
+        if inspect.iscoroutinefunction(declared) != inspect.iscoroutinefunction(implemented):
+            problems.append(f"{cls.__name__}.{name} must {'' if inspect.iscoroutinefunction(declared) else 'not '}"
+                            "be async")
+        wanted = list(inspect.signature(declared).parameters)
+        given = list(inspect.signature(implemented).parameters)[:len(wanted)]
+        if given != wanted:
+            problems.append(f"{cls.__name__}.{name} takes {given}, the API {wanted}")
+    return problems
+
+
+async def answer_each(infer: Callable[[ModelCall], Awaitable[Any]], calls: Sequence[ModelCall], *,
+                      replica: Optional[str], unexpected: Callable[[BaseException], Any]) -> CallOutcomes:
+    """``infer_many`` for any replica: the calls run concurrently (their rows batch as
+    if they had come one by one), and each gets its own outcome. A ServeAppError is
+    the call's outcome as it is; any other exception goes through ``unexpected``, which
+    turns it into the error that call alone gets."""
+    results = await asyncio.gather(*(infer(call) for call in calls), return_exceptions=True)
+    return CallOutcomes(
+        outcomes=tuple(r if isinstance(r, ServeAppError) or not isinstance(r, BaseException) else unexpected(r)
+                       for r in results),
+        replica=replica)

@@ -9,8 +9,10 @@ inside the Serve controller.
 
 Rules, in the order :func:`decide` applies them:
 1. The schedule's bounds take effect at once: below the floor scales up now, above the
-   ceiling scales down now. ``prewarm_s`` before a window with a higher floor opens, the
+   ceiling scales down now. A lead before a window with a higher floor opens, the
    floor is already raised, because a replica takes minutes to load on a cold GPU node.
+   The lead is the model's measured start-up p95 plus ``prewarm_margin_s`` once replicas
+   have reported their start-ups (:func:`prewarm_lead`), else ``prewarm_s``.
 2. Inside the bounds, load decides: ``ceil(ongoing requests / target_ongoing_requests)``,
    applied once the wish has held for ``upscale_delay_s`` (up) or ``downscale_delay_s``
    (down), so a burst does not start and stop replicas.
@@ -25,6 +27,8 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Iterator, Optional
 from zoneinfo import ZoneInfo
+
+from serve_app.core.recent import percentile
 
 MINUTES_PER_DAY = 24 * 60
 MINUTES_PER_WEEK = 7 * MINUTES_PER_DAY
@@ -104,6 +108,8 @@ class LoadProfile:
     timezone: str
     windows: tuple[Window, ...]
     prewarm_s: float = 0.0
+    # None: the lead is always prewarm_s; a number: measured start-up p95 plus this.
+    prewarm_margin_s: Optional[float] = None
     upscale_delay_s: float = 30.0
     downscale_delay_s: float = 300.0
     clock: Optional[SimulatedClock] = None
@@ -149,6 +155,7 @@ class LoadProfile:
             timezone=config.get("timezone", "UTC"),
             windows=windows,
             prewarm_s=float(config.get("prewarm_s", 0.0)),
+            prewarm_margin_s=None if config.get("prewarm_margin_s") is None else float(config["prewarm_margin_s"]),
             upscale_delay_s=float(config.get("upscale_delay_s", 30.0)),
             downscale_delay_s=float(config.get("downscale_delay_s", 300.0)),
             clock=clock,
@@ -232,10 +239,41 @@ class Bounds:
     prewarm_in_s: Optional[float] = None
 
 
-def scheduled_bounds(profile: LoadProfile, now: datetime) -> Bounds:
+@dataclass(frozen=True)
+class PrewarmLead:
+    """How long before a window opens its floor is raised, in the profile's clock, and why."""
+
+    seconds: float
+    reason: str
+
+
+# Start-ups a policy keeps for the p95: enough for a stable figure, few enough to follow
+# a change (a new image, a filled compile cache).
+STARTUP_SAMPLES = 20
+
+
+def prewarm_lead(profile: LoadProfile, startups_s: list[float]) -> PrewarmLead:
+    """The prewarm lead: the measured start-up p95 of the model's replicas (real
+    seconds, converted to the profile's clock) plus ``prewarm_margin_s``, once there is
+    a measured start-up and a margin is configured; otherwise ``prewarm_s``."""
+    if profile.prewarm_margin_s is None:
+        return PrewarmLead(profile.prewarm_s, f"prewarm_s {profile.prewarm_s:g} s")
+    if not startups_s:
+        return PrewarmLead(profile.prewarm_s, f"prewarm_s {profile.prewarm_s:g} s until a replica start is measured")
+    p95 = percentile(startups_s, 95)
+    speedup = profile.clock.speedup if profile.clock else 1.0
+    lead = p95 * speedup + profile.prewarm_margin_s
+    clock = f" x {speedup:g} (simulated clock)" if profile.clock else ""
+    return PrewarmLead(lead, f"start-up p95 {p95:.1f} s of {len(startups_s)} start(s){clock} "
+                             f"+ margin {profile.prewarm_margin_s:g} s = {lead:.0f} s")
+
+
+def scheduled_bounds(profile: LoadProfile, now: datetime, prewarm_s: Optional[float] = None) -> Bounds:
+    """The bounds at ``now``; ``prewarm_s`` overrides the profile's lead (see prewarm_lead)."""
     window = active_window(profile, now)
     floor, prewarm_for, prewarm_in_s = window.min_replicas, None, None
-    for upcoming, ahead_s in openings_within(profile, now, profile.prewarm_s):
+    lead_s = profile.prewarm_s if prewarm_s is None else prewarm_s
+    for upcoming, ahead_s in openings_within(profile, now, lead_s):
         if upcoming.min_replicas > floor:
             floor, prewarm_for, prewarm_in_s = upcoming.min_replicas, upcoming, ahead_s
     # While prewarming, the floor may pass the current window's ceiling.
@@ -262,16 +300,18 @@ def decide(
     total_requests: float,
     current_replicas: int,
     state: Optional[dict[str, Any]] = None,
+    prewarm_s: Optional[float] = None,
 ) -> tuple[Decision, dict[str, Any]]:
     """The replica count for ``now``, and the state to pass to the next call.
 
     ``total_requests`` is the deployment's ongoing plus queued requests (Ray averages
     them over its look-back period); ``current_replicas`` is the current target. The
     state holds only the pending load-driven change (its direction and since when), as
-    JSON-friendly values.
+    JSON-friendly values. ``prewarm_s``: the lead to use instead of the profile's
+    (:func:`prewarm_lead`).
     """
     state = dict(state or {})
-    bounds = scheduled_bounds(profile, now)
+    bounds = scheduled_bounds(profile, now, prewarm_s)
     window = bounds.window
     for_load = replicas_for_load(total_requests, window.target_ongoing_requests)
     wanted = min(max(for_load, bounds.min_replicas), bounds.max_replicas)

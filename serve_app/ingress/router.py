@@ -15,7 +15,7 @@ import time
 from typing import Any, AsyncIterator, Callable, Optional
 
 from fastapi import FastAPI, Request, Response
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
@@ -142,9 +142,11 @@ class Router:
     # ---- endpoints ---------------------------------------------------------------
 
     @api.get("/healthz")
-    async def healthz(self) -> dict:
-        """200 while this router serves; "degraded" lists models that cannot serve."""
-        return await self.status.health()
+    async def healthz(self) -> JSONResponse:
+        """503 until every model has a ready replica (warmed up), then 200; "degraded"
+        lists models that cannot serve."""
+        status_code, body = await self.status.health()
+        return JSONResponse(body, status_code=status_code)
 
     @api.get("/v1/models")
     async def list_models(self) -> dict:

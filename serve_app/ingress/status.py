@@ -34,25 +34,40 @@ class ServiceStatus:
         self.client = client
         self.cache = cache
         self._states: tuple[dict[str, dict], float] = ({}, float("-inf"))
+        self._states_read = False  # whether the controller has answered once
 
-    async def health(self) -> dict:
-        """"ok" while this router serves. A model whose deployment cannot serve (it
-        failed to load, or has no healthy replica) makes the status "degraded" and is
-        listed with its deployment status; the other models keep serving, so a load
-        balancer should not pull this ingress for it.
+    async def health(self) -> tuple[int, dict]:
+        """The status code and body of /healthz: readiness that means ready.
+
+        - 503 "starting" while a model has no replica ready yet, listing those models
+          under "starting". A replica is ready once it answered its warm-up calls (Serve
+          runs them in the replica's first health check, before it counts the replica
+          RUNNING), so a load balancer or a Kubernetes readiness probe sends nothing here
+          while a model is still loading or compiling.
+        - 200 "ok" once every model has a ready replica.
+        - 200 "degraded" when a model's deployment cannot serve (it failed to load, or
+          has no healthy replica), listed with its status; the other models keep
+          serving, so a load balancer should not pull this ingress for it.
 
         /healthz is public (no API key), so it says no more than that: Serve's message
         (a load error's text, with file paths and tracebacks) is logged when it changes
         and shown on the admin-only /v1/stats."""
+        states = await self.deployment_states()
         unavailable = {
             name: {"status": state["status"], "running": state["running"]}
-            for name, state in (await self.deployment_states()).items()
+            for name, state in states.items()
             if state["status"] in _FAILING and not state["running"]
         }
-        body: dict[str, Any] = {"status": "degraded" if unavailable else "ok", "models": sorted(self.models)}
+        # A model missing from a read of the controller has no deployment yet: starting too.
+        starting = sorted(name for name in self.models if name not in unavailable and self._states_read
+                          and not (states.get(name) or {}).get("running"))
+        status = "starting" if starting else "degraded" if unavailable else "ok"
+        body: dict[str, Any] = {"status": status, "models": sorted(self.models)}
+        if starting:
+            body["starting"] = starting
         if unavailable:
             body["unavailable"] = unavailable
-        return body
+        return (503 if starting else 200), body
 
     async def stats(self, traffic: Traffic) -> dict:
         """Per model: the last minute at a glance (requests, latency, batching, cache,
@@ -123,4 +138,5 @@ class ServiceStatus:
                     logger.log(logging.WARNING if failing else logging.INFO, "model %s deployment is %s: %s",
                                name, states[name]["status"], deployment.message)
         self._states = (states, now)
+        self._states_read = True
         return states

@@ -40,6 +40,7 @@ from serve_app.config import BatchingConfig, ModelConfig
 from serve_app.config.model import VLLM_TASKS
 from serve_app.core.calls import (
     CallOutcomes,
+    answer_each,
     ClassifyCall,
     ClassifyResult,
     EmbedCall,
@@ -59,10 +60,18 @@ from serve_app.core.static_batch import Row, batch_cost, expired, new_row, run_s
 from serve_app.metrics import BatchMetrics
 from serve_app.replica.engines import make_engine, static_generate
 from serve_app.replica.inputs import encode_each, in_image_thread, in_tokenizer_thread
+from serve_app.replica.startup import StartupTimes, directory_bytes, process_started_at, warmup_calls
 from serve_app.replica.stats import ReplicaObserver
 # vllm_engine imports vLLM itself only when a model starts on it.
-from serve_app.replica.vllm_engine import VLLMEmbedder, VLLMEngine, VLLMRuntime, start_vllm, vllm_unavailable
-from serve_app.scaling import ONGOING_CALLS_METRIC
+from serve_app.replica.vllm_engine import (
+    VLLMEmbedder,
+    VLLMEngine,
+    VLLMRuntime,
+    compile_cache_dir,
+    start_vllm,
+    vllm_unavailable,
+)
+from serve_app.scaling import ONGOING_CALLS_METRIC, STARTUP_METRIC
 from serve_app.serve_logs import start_log_flusher
 
 logger = logging.getLogger("ray.serve")
@@ -123,6 +132,7 @@ class ModelServer:
         rows handed to the executor at once instead of through ``@serve.batch`` (whose
         queue needs a replica context)."""
         start_log_flusher()  # Ray buffers this replica's log lines (serve_app.serve_logs)
+        self.startup = StartupTimes(process_started_at())
         self.config = ModelConfig.model_validate(model_config)
         self._metrics = metrics if metrics is not None else BatchMetrics(self.config.name)
         self.runtime = runtime if runtime is not None else self._load()
@@ -184,11 +194,12 @@ class ModelServer:
                                 config.name, time.perf_counter() - started, runtime.task, runtime.device,
                                 runtime.dtype, runtime.max_input_tokens)
                     return runtime
-            runtime = load_runtime(LoadOptions(
-                source=config.source, task=config.task, precision=precision, device=config.device,
-                trust_remote_code=config.trust_remote_code, hub_revision=config.hub_revision,
-                quantization=config.quantization,
-            ))
+            with self.startup.phase("load"):
+                runtime = load_runtime(LoadOptions(
+                    source=config.source, task=config.task, precision=precision, device=config.device,
+                    trust_remote_code=config.trust_remote_code, hub_revision=config.hub_revision,
+                    quantization=config.quantization,
+                ))
         except Exception as exc:
             # Serve retries the start a few times, then marks only this deployment
             # DEPLOY_FAILED; the router answers 503 for this model and serves the others.
@@ -206,8 +217,9 @@ class ModelServer:
         """vLLM's engine for the model (``config``: the replica's, its precision resolved),
         or None where ``engine: auto`` falls back to the transformers runtime (logged with
         the reason); ``engine: vllm`` raises instead."""
-        model_dir = resolve_source(config.source, hub_revision=config.hub_revision,
-                                   trust_remote_code=config.trust_remote_code)
+        with self.startup.phase("load"):
+            model_dir = resolve_source(config.source, hub_revision=config.hub_revision,
+                                       trust_remote_code=config.trust_remote_code)
         reason = vllm_unavailable(config, model_dir)
         if reason is not None:
             if config.engine == "vllm":
@@ -218,7 +230,13 @@ class ModelServer:
         # The same files on vLLM answer slightly differently from the transformers
         # runtime, so its answers get their own revision in cache keys.
         revision = f"{model_revision(model_dir)}-{config.precision}-vllm"
-        return start_vllm(config, model_dir, revision, self._metrics)
+        cache_dir = compile_cache_dir(config)
+        before = directory_bytes(cache_dir)
+        with self.startup.phase("engine"):
+            runtime = start_vllm(config, model_dir, revision, self._metrics)
+        if cache_dir is not None and not config.vllm.enforce_eager:
+            self.startup.compile_cache = "reused" if directory_bytes(cache_dir) == before else "filled"
+        return runtime
 
     def _serve_vllm_generation(self) -> None:
         self.engine = VLLMEngine(self.runtime, self.observer, model_name=self.config.name,
@@ -336,12 +354,9 @@ class ModelServer:
         embedding and classification calls into it, which takes 40-55% off the CPU each
         call costs the router and this replica (measured, see ingress/call_gathering.py).
         A call that fails gets its own error back; the others are unaffected."""
-        outcomes = await asyncio.gather(*(self.infer(call) for call in calls), return_exceptions=True)
-        return CallOutcomes(outcomes=tuple(self._outcome(o) for o in outcomes), replica=_replica_id())
+        return await answer_each(self.infer, calls, replica=_replica_id(), unexpected=self._unexpected)
 
-    def _outcome(self, outcome: Any) -> Any:
-        if isinstance(outcome, ServeAppError) or not isinstance(outcome, BaseException):
-            return outcome
+    def _unexpected(self, outcome: BaseException) -> ServeAppError:
         # An unexpected failure travels as a plain 500 with its type and message: the
         # traceback stays in this replica's log, and only our own errors cross the handle.
         logger.error("model %s: call failed", self.config.name, exc_info=outcome)
@@ -361,17 +376,43 @@ class ModelServer:
             self.ongoing_calls -= 1
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
-        """Serve's custom autoscaling metric (pushed with its own, only for a deployment
+        """Serve's custom autoscaling metrics (pushed with its own, only for a deployment
         that autoscales): the calls in progress here, which the daily-profile policy
-        reads as this replica's load (serve_app.scaling)."""
-        return {ONGOING_CALLS_METRIC: float(self.ongoing_calls)}
+        reads as this replica's load, and, once ready, how long this replica took to
+        start, from which it sets its prewarm lead (serve_app.scaling)."""
+        stats = {ONGOING_CALLS_METRIC: float(self.ongoing_calls)}
+        if self.startup.ready_at is not None:
+            stats[STARTUP_METRIC] = self.startup.total_s
+        return stats
 
     async def check_health(self) -> None:
-        """Serve's periodic health check: a model whose engine died (vLLM's engine core)
-        fails it, and Serve replaces the replica."""
+        """Serve's health check. The first one, which Serve awaits before it routes
+        anything here, runs the warm-up (see replica/startup.py); after it, a model whose
+        engine died (vLLM's engine core) fails it, and Serve replaces the replica."""
+        if self.startup.ready_at is None:
+            await self._warm_up()
         check = getattr(self.runtime, "check_health", None)
         if check is not None:
             await check()
+
+    async def _warm_up(self) -> None:
+        """Answer the warm-up calls through :meth:`infer`, then mark this replica ready.
+        A call the model refuses (a context window shorter than the warm-up assumed) is
+        logged and skipped; any other failure fails the health check, so Serve restarts
+        a replica that cannot answer instead of routing to it."""
+        runtime, config = self.runtime, self.config
+        calls = warmup_calls(runtime.task, runtime.max_input_tokens, self.batching.max_batch_size,
+                             chat=bool(getattr(getattr(runtime, "tokenizer", None), "chat_template", None)))
+        with self.startup.phase("warmup"):
+            for call in calls if config.warmup else ():
+                try:
+                    await self.infer(call)
+                except ServeAppError as exc:
+                    logger.warning("model %s: a warm-up call was refused: %s", config.name, exc.message)
+        self.observer.forget_counters()  # /v1/stats counts traffic, not the warm-up
+        self.startup.ready()
+        self.observer.startup(self.startup)
+        logger.info("model %s ready: %s", config.name, self.startup.summary())
 
     async def info(self) -> ModelInfo:
         runtime = self.runtime
@@ -389,7 +430,8 @@ class ModelServer:
         )
 
     async def get_stats(self) -> dict:
-        stats = {"replica": _replica_id(), "batching": self.batching.model_dump(), **self.observer.snapshot()}
+        stats = {"replica": _replica_id(), "batching": self.batching.model_dump(), **self.observer.snapshot(),
+                 "startup": self.startup.snapshot()}
         engine = self.engine.stats()
         if engine is not None:
             stats["engine"] = engine

@@ -150,5 +150,15 @@ class ReplicaObserver:
         self.stats.last_minute_waits.add(wait, now=now)
         self.metrics.queue_wait.observe(wait)
 
+    def startup(self, times: Any) -> None:
+        """A replica start (a :class:`serve_app.replica.startup.StartupTimes`), phase by phase."""
+        for phase, seconds in times.phases.items():
+            self.metrics.startup.observe(seconds, tags={"phase": phase})
+        self.metrics.startup.observe(times.total_s, tags={"phase": "total"})
+
+    def forget_counters(self) -> None:
+        """Start /v1/stats' counters afresh (after the warm-up calls, which are not traffic)."""
+        self.stats = BatchStats(self.stats.recent_batch_rows.maxlen or 256)
+
     def snapshot(self) -> dict:
         return self.stats.snapshot()

@@ -35,12 +35,13 @@ def _controller_logs() -> list[Path]:
     return sorted((Path(global_worker.node.get_session_dir_path()) / "logs" / "serve").glob("controller_*.log"))
 
 
+def _log_lines() -> dict[Path, list[str]]:
+    return {path: path.read_text(errors="replace").splitlines() for path in _controller_logs()}
+
+
 def _lines_after(marks: dict[Path, int]) -> list[str]:
     """The controller log lines written since ``marks`` (line counts per file) were taken."""
-    lines: list[str] = []
-    for path in _controller_logs():
-        lines += path.read_text(errors="replace").splitlines()[marks.get(path, 0):]
-    return lines
+    return [line for path, lines in _log_lines().items() for line in lines[marks.get(path, 0):]]
 
 
 _DECISION = re.compile(r"serve_app schedule: model=tiny-embed time=\w+ (\d\d):(\d\d) \(simulated clock\) "
@@ -48,7 +49,7 @@ _DECISION = re.compile(r"serve_app schedule: model=tiny-embed time=\w+ (\d\d):(\
 
 
 def test_policy_follows_three_windows_of_a_compressed_day(redeploy_apps, tiny_bert_embedding_dir, serve_instance):
-    marks = {path: len(path.read_text(errors="replace").splitlines()) for path in _controller_logs()}
+    marks = {path: len(lines) for path, lines in _log_lines().items()}
     start = time.time()
     profile = {
         "timezone": "Europe/Berlin",

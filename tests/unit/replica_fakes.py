@@ -17,7 +17,7 @@ class Recorder:
     def __init__(self):
         self.values: list[float] = []
 
-    def observe(self, value):
+    def observe(self, value, tags=None):
         self.values.append(value)
 
     def inc(self, value=1):

@@ -416,8 +416,8 @@ def test_healthz_lists_failed_models_without_serves_messages(monkeypatch, caplog
     models = {name: _model(name=name) for name in ("broken", "fine")}
     service = ServiceStatus(models, client=None, cache=None)
     with caplog.at_level(logging.WARNING, logger="ray.serve"):
-        health = run(service.health())
-    assert health == {"status": "degraded", "models": ["broken", "fine"],
+        code, health = run(service.health())
+    assert code == 200 and health == {"status": "degraded", "models": ["broken", "fine"],
                       "unavailable": {"broken": {"status": "DEPLOY_FAILED", "running": 0}}}
     assert "/home/ops" not in json.dumps(health)
     # The details go to the log (once per change), and to the admin-only /v1/stats.
@@ -428,6 +428,25 @@ def test_healthz_lists_failed_models_without_serves_messages(monkeypatch, caplog
         run(service.health())
     assert not [r for r in caplog.records if "secret-models" in r.getMessage()]
     assert run(service.deployment_states())["broken"]["message"] == message
+
+
+def test_healthz_is_503_while_a_model_has_no_ready_replica(monkeypatch):
+    """Serve counts a replica RUNNING only after its warm-up (the first health check), so
+    a model without a RUNNING replica is still loading or compiling."""
+    starting = SimpleNamespace(status="UPDATING", replica_states={"STARTING": 1}, message="")
+    ready = SimpleNamespace(status="HEALTHY", replica_states={"RUNNING": 1}, message="")
+    deployments = {model_deployment_name("chat"): starting, model_deployment_name("embed"): ready}
+    monkeypatch.setattr(status_module, "serve", SimpleNamespace(
+        get_replica_context=lambda: SimpleNamespace(app_name="app"),
+        status=lambda: SimpleNamespace(applications={"app": SimpleNamespace(deployments=deployments)})))
+    models = {name: _model(name=name) for name in ("chat", "embed", "later")}
+    service = ServiceStatus(models, client=None, cache=None)
+    assert run(service.health()) == (503, {"status": "starting", "models": ["chat", "embed", "later"],
+                                           "starting": ["chat", "later"]})  # "later": no deployment yet
+    deployments[model_deployment_name("chat")] = ready
+    deployments[model_deployment_name("later")] = ready
+    service._states = (service._states[0], float("-inf"))  # read the controller again
+    assert run(service.health()) == (200, {"status": "ok", "models": ["chat", "embed", "later"]})
 
 
 def test_the_draft_keeps_the_side_a_crop_pct_processor_resizes_to_first():

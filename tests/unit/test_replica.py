@@ -232,3 +232,37 @@ def test_observer_skips_zero_token_counters_and_records_generation():
     assert metrics.time_to_first_token.values == [pytest.approx(0.5)]
     assert metrics.queue_wait.values == [0.0, 0.25]
     assert observer.snapshot()["rows"] == 3
+
+
+# ---- start-up and warm-up ----------------------------------------------------------------
+
+
+def test_the_first_health_check_warms_up_over_the_shapes_then_marks_the_replica_ready():
+    from serve_app.replica.startup import warmup_lengths
+
+    runtime = FakeEncoder("embedding")
+    runtime.max_input_tokens = 512
+    ms = server(runtime, batching={"max_batch_size": 8})
+    assert run(ms.get_stats())["startup"]["ready"] is False
+    run(ms.check_health())
+    # One call per length, then a batch as wide as the replica's: the model ran them all.
+    lengths = warmup_lengths(512)
+    assert lengths == [4, 16, 64, 256, 496]
+    rows_run = sorted(len(row) for call in runtime.calls for row in call)
+    assert rows_run.count(4) >= 1 and max(rows_run) == 496 and sum(len(call) for call in runtime.calls) == 5 + 8
+    stats = run(ms.get_stats())
+    startup = stats["startup"]
+    assert startup["ready"] and startup["total_s"] >= startup["warmup_s"] >= 0 and "process_s" in startup
+    assert stats["requests"] == 0 and stats["rows"] == 0, "the warm-up is not traffic"
+    assert ms._metrics.startup.values, "exported: one observation per phase and the total"
+    assert run(ms.record_autoscaling_stats())["startup_s"] == pytest.approx(startup["total_s"], abs=0.05)
+    calls = len(runtime.calls)
+    run(ms.check_health())
+    assert len(runtime.calls) == calls, "only the first health check warms up"
+
+
+def test_a_replica_with_warmup_off_is_ready_without_calls():
+    runtime = FakeEncoder("embedding")
+    ms = server(runtime, warmup=False)
+    run(ms.check_health())
+    assert runtime.calls == [] and run(ms.get_stats())["startup"]["ready"]

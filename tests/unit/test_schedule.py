@@ -12,6 +12,7 @@ from serve_app.core.schedule import (
     active_window,
     decide,
     parse_time_of_day,
+    prewarm_lead,
     replicas_for_load,
     scheduled_bounds,
 )
@@ -230,3 +231,39 @@ def test_policy_adapts_rays_context():
     assert replicas == 4 and policy.last_decision.cause == "prewarm"
     replicas, state = policy(ctx(_at(MON, "12:00"), 80, 4, state))
     assert replicas == 4 and policy.last_decision.cause == "load_pending" and state["serve_app_schedule"]["pending"] == "up"
+
+
+def test_the_prewarm_lead_is_the_measured_startup_p95_plus_the_margin():
+    fixed = _profile()
+    assert prewarm_lead(fixed, [120.0]).seconds == 600, "without a margin the lead stays prewarm_s"
+    measured = _profile({**DAY, "prewarm_margin_s": 60})
+    before = prewarm_lead(measured, [])
+    assert before.seconds == 600 and "until a replica start is measured" in before.reason
+    starts = [20.0] * 18 + [200.0, 400.0]  # nearest-rank p95 of 20 starts: the 19th
+    lead = prewarm_lead(measured, starts)
+    assert lead.seconds == 200 + 60 and "p95 200.0 s of 20 start(s)" in lead.reason
+    # The lead decides when the floor rises: 260 s before 07:00, not 600 s.
+    assert scheduled_bounds(measured, _at(MON, "06:52"), lead.seconds).prewarm_for is None
+    assert scheduled_bounds(measured, _at(MON, "06:56"), lead.seconds).prewarm_for.name == "peak"
+
+
+def test_under_a_simulated_clock_a_real_startup_counts_in_simulated_seconds():
+    profile = _profile({**DAY, "prewarm_margin_s": 0, "clock": {"day_length_s": 240}})
+    assert prewarm_lead(profile, [10.0]).seconds == 10.0 * 360
+
+
+def test_the_policy_remembers_each_replicas_reported_startup():
+    from serve_app.scaling import STARTUP_METRIC, DailyProfilePolicy
+
+    policy = DailyProfilePolicy("m", "p", {**DAY, "prewarm_margin_s": 60})
+
+    def ctx(when, startups, state):
+        return SimpleNamespace(current_time=when.timestamp(), total_num_requests=0, target_num_replicas=1,
+                               policy_state=state, aggregated_metrics={STARTUP_METRIC: startups})
+
+    _, state = policy(ctx(_at(MON, "03:00"), {"r1": 100.0}, {}))
+    assert policy.last_lead.seconds == 160
+    # r1 stopped; r2 started slower: both count, and 06:55 is within the new lead of 07:00.
+    replicas, state = policy(ctx(_at(MON, "06:55"), {"r2": 300.0}, state))
+    assert state["serve_app_startups"] == {"r1": 100.0, "r2": 300.0}
+    assert policy.last_lead.seconds == 360 and replicas == 4 and policy.last_decision.cause == "prewarm"

