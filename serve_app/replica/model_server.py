@@ -40,7 +40,6 @@ from serve_app.config import BatchingConfig, ModelConfig
 from serve_app.config.model import VLLM_TASKS
 from serve_app.core.calls import (
     CallOutcomes,
-    answer_each,
     ClassifyCall,
     ClassifyResult,
     EmbedCall,
@@ -50,6 +49,7 @@ from serve_app.core.calls import (
     ModelInfo,
     ModelResult,
     StreamEvent,
+    answer_each,
 )
 from serve_app.core.errors import InvalidRequestError, ServeAppError
 from serve_app.core.executor import Budget, ModelPacedExecutor

@@ -160,6 +160,21 @@ def redeploy_apps(deployed, tiny_app):
     yield from _extra_apps(tiny_app)
 
 
+@pytest.fixture()
+def deploy_apps_without_waiting(deployed, tiny_app):
+    """Hand the controller the session's two applications plus extra ones and return at
+    once, so a test can watch them start; the extra ones are removed afterwards."""
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import ServeDeploySchema
+
+    def apply(extra_apps: list[dict]) -> None:
+        _get_global_client().deploy_apps(ServeDeploySchema.model_validate(
+            {"applications": [tiny_app, local_app_config(), *extra_apps]}))
+
+    yield apply
+    deploy_config([tiny_app, local_app_config()])
+
+
 @pytest.fixture(scope="module")
 def redeploy_apps_module(deployed, tiny_app):
     """redeploy_apps for a whole test module."""

@@ -240,46 +240,38 @@ def test_a_client_that_disconnects_mid_stream_aborts_its_vllm_request(local):
     assert _info(local, "smollm2")["engine"]["running_requests"] == 0
 
 
-def test_healthz_is_503_while_a_replica_starts_and_200_once_it_answered_its_warmup(deployed, tiny_app,
-                                                                                    tiny_llama_vllm_dir):
+def test_healthz_is_503_while_a_replica_starts_and_200_once_it_answered_its_warmup(deployed, tiny_llama_vllm_dir,
+                                                                                    deploy_apps_without_waiting):
     """A vLLM replica takes seconds to start its engine and answer its warm-up; the router
     is up well before. Until the model has a ready replica, /healthz says which models are
     starting with a 503 (what a readiness probe needs); after, 200 and the model answers."""
-    from conftest import deploy_config, local_app_config
-    from ray.serve.context import _get_global_client
-    from ray.serve.schema import ServeDeploySchema
-
     app = extra_app("starting", {
         "name": "tiny-llama", "source": str(tiny_llama_vllm_dir), "task": "text-generation", "engine": "vllm",
         "resources": SMALL, "generation": {"default_max_tokens": 4},
         "vllm": {"enforce_eager": True, "max_model_len": 128},
     }, cache={"enabled": False})
     base = f"{deployed}/starting"
-    _get_global_client().deploy_apps(ServeDeploySchema.model_validate(
-        {"applications": [tiny_app, local_app_config(), app]}))
-    try:
-        seen: list[tuple[int, str]] = []
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            try:
-                reply = httpx.get(f"{base}/healthz", timeout=10)
-                body = reply.json()
-            except (httpx.HTTPError, ValueError):  # the route is not served yet
-                time.sleep(0.5)
-                continue
-            if "status" in body:  # our router answered (not the proxy's own 404/503)
-                seen.append((reply.status_code, body["status"]))
-                if reply.status_code == 503:
-                    assert body["starting"] == ["tiny-llama"], body
-                if body["status"] == "ok":
-                    break
+    deploy_apps_without_waiting([app])
+    seen: list[tuple[int, str]] = []
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        try:
+            reply = httpx.get(f"{base}/healthz", timeout=10)
+            body = reply.json()
+        except (httpx.HTTPError, ValueError):  # the route is not served yet
             time.sleep(0.5)
-        assert (503, "starting") in seen, f"never saw the model starting: {seen}"
-        assert seen[-1] == (200, "ok"), seen
-        answer = httpx.post(f"{base}/v1/completions", timeout=60,
-                            json={"model": "tiny-llama", "prompt": "hello", "max_tokens": 2})
-        assert answer.status_code == 200, answer.text
-        stats = httpx.get(f"{base}/v1/stats", timeout=60).json()["models"]["tiny-llama"]["startup"]
-        assert stats["ready"] and stats["total_s"] >= stats["engine_s"] > 0 and stats["warmup_s"] >= 0
-    finally:
-        deploy_config([tiny_app, local_app_config()])
+            continue
+        if "status" in body:  # our router answered (not the proxy's own 404/503)
+            seen.append((reply.status_code, body["status"]))
+            if reply.status_code == 503:
+                assert body["starting"] == ["tiny-llama"], body
+            if body["status"] == "ok":
+                break
+        time.sleep(0.5)
+    assert (503, "starting") in seen, f"never saw the model starting: {seen}"
+    assert seen[-1] == (200, "ok"), seen
+    answer = httpx.post(f"{base}/v1/completions", timeout=60,
+                        json={"model": "tiny-llama", "prompt": "hello", "max_tokens": 2})
+    assert answer.status_code == 200, answer.text
+    stats = httpx.get(f"{base}/v1/stats", timeout=60).json()["models"]["tiny-llama"]["startup"]
+    assert stats["ready"] and stats["total_s"] >= stats["engine_s"] > 0 and stats["warmup_s"] >= 0
