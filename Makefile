@@ -90,11 +90,11 @@ vllm-system-libs:
 # (own port, config and storage) to evaluate every query of dashboards/serve_app.json.
 # Debian's package, installed with apt-get only when no `prometheus` binary is on PATH and
 # apt-get is there (as root, or through sudo -n); elsewhere a note, and that test skips.
-# `make install PROMETHEUS_APT_PACKAGE=` skips it. The package's service is never
+# `make prometheus-server PROMETHEUS_APT_PACKAGE=` skips it. The package's service is never
 # started: a policy-rc.d that refuses it is put in place for the install when none exists.
+# Test-only, so not part of `make install`: .ci/run calls it before `make test`.
 PROMETHEUS_APT_PACKAGE ?= prometheus
 .PHONY: prometheus-server
-install: prometheus-server
 prometheus-server:
 	@pkg="$(strip $(PROMETHEUS_APT_PACKAGE))"; \
 	if [ -z "$$pkg" ] || command -v prometheus >/dev/null 2>&1; then exit 0; fi; \
