@@ -92,7 +92,7 @@ vllm-system-libs:
 # apt-get is there (as root, or through sudo -n); elsewhere a note, and that test skips.
 # `make prometheus-server PROMETHEUS_APT_PACKAGE=` skips it. The package's service is never
 # started: a policy-rc.d that refuses it is put in place for the install when none exists.
-# Test-only, so not part of `make install`: .ci/run calls it before `make test`.
+# Test-only, so not part of `make install`: `make test` (and .ci/run, explicitly) calls it.
 PROMETHEUS_APT_PACKAGE ?= prometheus
 .PHONY: prometheus-server
 prometheus-server:
@@ -122,13 +122,13 @@ vllm-tcmalloc:
 serve: install
 	SERVE_APP_HIGH_THROUGHPUT=$(HIGH_THROUGHPUT) $(BIN)/python -m serve_app.launch $(CONFIG) --metrics-export-port $(METRICS_PORT)
 
-test: install
+test: install prometheus-server
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
 
 unit: install
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests/unit
 
-integration: install
+integration: install prometheus-server
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests/integration
 
 # All benchmark scenarios, quick mode (~26 min on 2 cores: the day replay ~6, engines ~13); results in benchmark-results/.

@@ -30,7 +30,7 @@ from serving_apps import profiled_app
 pytestmark = pytest.mark.integration
 
 PROMETHEUS = shutil.which("prometheus")
-# Where `make install` can install it (apt-get, as root) a missing binary is a broken set-up,
+# Where `make test` can install it (apt-get, as root) a missing binary is a broken set-up,
 # and the test fails below instead of skipping.
 SET_UP_INSTALLS_IT = shutil.which("apt-get") is not None and hasattr(os, "geteuid") and os.geteuid() == 0
 if PROMETHEUS is None and not SET_UP_INSTALLS_IT:
