@@ -24,7 +24,7 @@ import os
 import time
 from typing import Iterator, Optional
 
-from serve_app.core.calls import ClassifyCall, EmbedCall, GenerateCall, ModelCall, SamplingParams
+from serve_app.core.calls import ChatTurn, ClassifyCall, EmbedCall, GenerateCall, ModelCall, SamplingParams
 
 PHASES = ("process", "load", "engine", "warmup")
 
@@ -125,8 +125,6 @@ def warmup_calls(task: str, max_input_tokens: int, max_batch_size: int, *, chat:
         calls: list[ModelCall] = [GenerateCall(max_tokens=4, sampling=greedy, prompts=(_text(n // 2),)) for n in lengths]
         calls.append(GenerateCall(max_tokens=8, sampling=greedy, prompts=tuple(_text(len(t.split()) // 2) for t in mixed)))
         if chat:
-            from serve_app.core.calls import ChatTurn
-
             calls.append(GenerateCall(max_tokens=4, sampling=greedy, messages=(ChatTurn(role="user", content="Hello"),)))
         return calls
     return []
