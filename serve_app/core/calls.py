@@ -362,9 +362,9 @@ class CallOutcomes:
 
 class ModelServerAPI(Protocol):
     """What the router calls on a model deployment's replica: the one declared API that
-    the real replica (``serve_app.replica.model_server.ModelServer``), the benchmark
-    stubs (``benchmarks.stubs``) and the tests' fakes all implement, so none of them can
-    lack a method the router relies on (tests check each against this class)."""
+    the real replica (``serve_app.replica.model_server.ModelServer``) and the benchmark
+    stubs (``benchmarks.stubs``) implement, so neither can lack a method the router
+    relies on (tests/unit/test_model_server_api.py checks both against this class)."""
 
     async def infer(self, call: ModelCall) -> ModelResult:
         """The call's ``result_type``, or raises a ServeAppError."""
