@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Sequence
 
 from serve_app.core.calls import CallOutcomes, ModelCall
+from serve_app.core.shared_tasks import SharedCallCancelled, start_shared
 
 # Groups in flight per replica: one running while the next is on its way, so the
 # replica is never idle waiting for the router, and groups stay large under load.
@@ -138,7 +139,8 @@ class CallGatherer:
             self._groups_in_flight += 1
             self._calls_in_flight += len(group)
             self.groups += 1
-            task = asyncio.get_running_loop().create_task(self._send(group))
+            # Detached from the caller whose turn sent it: the group serves them all.
+            task = start_shared(self._send(group))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
@@ -172,8 +174,9 @@ class CallGatherer:
             if len(reply.outcomes) != len(group):
                 raise RuntimeError(f"infer_many answered {len(reply.outcomes)} outcomes for {len(group)} calls")
         except asyncio.CancelledError:
-            for waiting in group:
-                waiting.future.cancel()
+            for waiting in group:  # an error each caller handles (retries), not a cancellation of its own
+                if not waiting.future.done():
+                    waiting.future.set_exception(SharedCallCancelled("the group this call travelled in was cancelled"))
             raise
         except Exception as exc:  # noqa: BLE001 - each caller decides what it means (retry, 503, 504)
             for waiting in group:

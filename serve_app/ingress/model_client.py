@@ -26,14 +26,15 @@ from ray.serve.handle import DeploymentHandle
 from serve_app.config import ModelConfig, RouterConfig
 from serve_app.core.calls import CallOutcomes, GenerateCall, ModelCall, ModelInfo, ModelResult, StreamEvent
 from serve_app.core.errors import DeadlineExceededError, ModelUnavailableError, OverloadedError, ServeAppError
+from serve_app.core.shared_tasks import SharedCallCancelled
 from serve_app.ingress.call_gathering import CallGatherer, GatherLimits, gathers
 from serve_app.ingress.http_errors import unwrap
 
 logger = logging.getLogger("ray.serve")
 
-# Failures that mean "the replica serving this call is gone": inference has no side
-# effects, so the call may run again on another one.
-_REPLICA_LOST = (RayActorError, ActorUnavailableError)
+# Failures that mean "the replica serving this call is gone", or the group it travelled
+# in was cancelled: inference has no side effects, so the call may run again.
+_REPLICA_LOST = (RayActorError, ActorUnavailableError, SharedCallCancelled)
 
 
 class PendingCall(Protocol):
@@ -223,7 +224,7 @@ class ModelClient:
 
     async def _before_retry(self, model: ModelConfig, exc: BaseException, attempt: int) -> None:
         self.replica_retries[model.name] += 1
-        logger.warning("model %s: replica lost mid-request (%s); retry %d of %d",
+        logger.warning("model %s: replica lost (or shared call cancelled) mid-request (%s); retry %d of %d",
                        model.name, type(exc).__name__, attempt + 1, self.config.replica_retries)
         await asyncio.sleep(0.1 * 2**attempt)
 

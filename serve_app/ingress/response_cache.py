@@ -47,6 +47,7 @@ from serve_app.core.cache import (
     semantic_namespace,
 )
 from serve_app.core.cache.semantic import semantic_request
+from serve_app.core.shared_tasks import start_shared
 from serve_app.ingress import caller
 from serve_app.ingress.model_client import ModelClient
 from serve_app.ingress.notes import note
@@ -399,7 +400,7 @@ class ResponseCache:
             await self._store_call("semantic_add",
                                    lambda store: store.semantic_add.remote(namespace, vector, key, question))
 
-        task = asyncio.create_task(write_then_index())
+        task = start_shared(write_then_index())  # outlives the request: none of its context
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 

@@ -18,6 +18,8 @@ from __future__ import annotations
 import asyncio
 from typing import Awaitable, Callable, Generic, Sequence, TypeVar
 
+from serve_app.core.shared_tasks import SharedCallCancelled, start_shared
+
 T = TypeVar("T")
 R = TypeVar("R")
 
@@ -27,10 +29,12 @@ class CallBatcher(Generic[T, R]):
 
     ``send_many(items)`` must return one result per item, in order. If it raises, takes
     longer than ``timeout_s`` or returns the wrong number of results, every caller of
-    that batch gets the exception (``asyncio.TimeoutError`` for a slow batch), and the
+    that batch gets the exception (``asyncio.TimeoutError`` for a slow batch,
+    ``SharedCallCancelled`` for a cancelled one), and the
     slot is free again: a hung callee cannot hold the batcher. A caller that stops
     waiting (cancelled, or its own timeout) leaves its item in the batch; the others are
-    unaffected. Plain asyncio; one event loop.
+    unaffected: batches run detached from every caller (core.shared_tasks). Plain
+    asyncio; one event loop.
     """
 
     def __init__(self, send_many: Callable[[list[T]], Awaitable[Sequence[R]]], *, timeout_s: float,
@@ -67,7 +71,8 @@ class CallBatcher(Generic[T, R]):
         if self._queued and not self._starting and self._in_flight < self.max_in_flight:
             self._starting = True
             self._in_flight += 1
-            task = asyncio.get_running_loop().create_task(self._send_next())
+            # Detached from the caller that happened to start it: the batch serves them all.
+            task = start_shared(self._send_next())
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
@@ -88,9 +93,9 @@ class CallBatcher(Generic[T, R]):
             if len(results) != len(batch):
                 raise RuntimeError(f"send_many returned {len(results)} results for {len(batch)} items")
         except asyncio.CancelledError:
-            for _, future in batch:
+            for _, future in batch:  # an error the callers handle, not a cancellation of their own
                 if not future.done():
-                    future.cancel()
+                    future.set_exception(SharedCallCancelled("the batch this call travelled in was cancelled"))
             raise
         except Exception as exc:  # noqa: BLE001 - each caller decides what a failure means
             for _, future in batch:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 from typing import Awaitable, Callable, TypeVar
 
+from serve_app.core.shared_tasks import SharedCallCancelled, start_shared
+
 T = TypeVar("T")
 
 
@@ -17,7 +19,9 @@ def _retrieve(task: asyncio.Future) -> None:
 class SingleFlight:
     """Identical requests in flight at once share one call.
 
-    The first caller for a key starts ``fn()`` in its own task; callers that arrive while
+    The first caller for a key starts ``fn()`` in a task detached from every caller
+    (core.shared_tasks: no caller's request context, so Serve cancels it with no one
+    caller's request); callers that arrive while
     it runs await the same task (``shared=True``) and get the same result object (do not
     mutate it) or the same exception. Every caller awaits through ``asyncio.shield``, so a
     caller that is cancelled (its client went away) leaves the call running for the
@@ -43,10 +47,15 @@ class SingleFlight:
             async def call() -> T:
                 return await fn()
 
-            task = asyncio.ensure_future(call())
+            task = start_shared(call())
             self._calls[key] = task
             task.add_done_callback(lambda t: self._done(key, t))
-        return await asyncio.shield(task), shared
+        try:
+            return await asyncio.shield(task), shared
+        except asyncio.CancelledError:
+            if task.cancelled():  # the shared call, not this caller: an error to handle, not ours to propagate
+                raise SharedCallCancelled() from None
+            raise
 
     def _done(self, key: str, task: asyncio.Future) -> None:
         if self._calls.get(key) is task:
