@@ -39,7 +39,9 @@ from serve_app.core.shared_tasks import SharedCallCancelled, start_shared
 # replica is never idle waiting for the router, and groups stay large under load.
 GROUPS_PER_REPLICA = 2
 
-# A replica not heard from for this long no longer counts (scaled down, or dead).
+# A replica not heard from for this long, while others answered, no longer counts
+# (scaled down, or dead). A quiet spell forgets none: silence from every replica means
+# no traffic, not fewer replicas, and a burst after it must be admitted as Serve would.
 REPLICA_MEMORY_S = 30.0
 
 # Beyond the latest deadline of a group's calls, before its slot is taken back from a
@@ -112,11 +114,13 @@ class CallGatherer:
         return future
 
     def replicas(self) -> int:
-        """Replicas that answered within :data:`REPLICA_MEMORY_S` (at least 1)."""
-        now = self._clock()
-        for replica, seen in list(self._replicas.items()):
-            if now - seen > REPLICA_MEMORY_S:
-                del self._replicas[replica]
+        """Replicas that answered within :data:`REPLICA_MEMORY_S` of the latest answer
+        from any replica (at least 1)."""
+        if self._replicas:
+            latest = max(self._replicas.values())
+            for replica, seen in list(self._replicas.items()):
+                if latest - seen > REPLICA_MEMORY_S:
+                    del self._replicas[replica]
         return max(1, len(self._replicas))
 
     def stats(self) -> dict[str, Any]:

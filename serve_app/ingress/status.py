@@ -16,6 +16,7 @@ from ray import serve
 
 from serve_app.config import ModelConfig, model_deployment_name
 from serve_app.core.errors import ServeAppError
+from serve_app.core.shared_tasks import start_shared
 from serve_app.ingress.middleware import Traffic
 from serve_app.ingress.model_client import ModelClient
 from serve_app.ingress.response_cache import ResponseCache
@@ -24,6 +25,8 @@ logger = logging.getLogger("ray.serve")
 
 # How stale the controller's view of the model deployments may be in /healthz and stats.
 _STATES_MAX_AGE_S = 5.0
+# How long a probe waits for the controller's answer before it answers from the last one.
+_READ_TIMEOUT_S = 5.0
 # Deployment statuses in which a model may not serve.
 _FAILING = ("DEPLOY_FAILED", "UNHEALTHY")
 
@@ -35,6 +38,10 @@ class ServiceStatus:
         self.cache = cache
         self._states: tuple[dict[str, dict], float] = ({}, float("-inf"))
         self._states_read = False  # whether the controller has answered once
+        # The one read of the controller in progress. serve.status blocks a thread until
+        # the controller answers; a probe that times out leaves it running, so later
+        # probes wait on the same read instead of starting a thread each.
+        self._reading: Optional[asyncio.Future] = None
 
     async def health(self) -> tuple[int, dict]:
         """The status code and body of /healthz: readiness that means ready.
@@ -117,7 +124,14 @@ class ServiceStatus:
             return cached
         try:
             app = serve.get_replica_context().app_name
-            status = await asyncio.wait_for(asyncio.to_thread(serve.status), timeout=5)
+            if self._reading is None:
+                self._reading = start_shared(asyncio.to_thread(serve.status))
+            reading = self._reading
+            try:
+                status = await asyncio.wait_for(asyncio.shield(reading), timeout=_READ_TIMEOUT_S)
+            finally:
+                if reading.done() and self._reading is reading:  # taken (or failed): the next probe reads anew
+                    self._reading = None
             deployments = status.applications[app].deployments
         except Exception:  # health and stats must answer even when the controller is slow
             logger.debug("could not read deployment states", exc_info=True)

@@ -5,6 +5,7 @@ cache keys, and what the public /healthz says."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import importlib.util
 import io
@@ -447,6 +448,36 @@ def test_healthz_is_503_while_a_model_has_no_ready_replica(monkeypatch):
     deployments[model_deployment_name("later")] = ready
     service._states = (service._states[0], float("-inf"))  # read the controller again
     assert run(service.health()) == (200, {"status": "ok", "models": ["chat", "embed", "later"]})
+
+
+def test_probes_of_a_slow_controller_share_one_read_instead_of_a_thread_each(monkeypatch):
+    """serve.status blocks its thread until the controller answers; each probe that timed
+    out used to leave one behind. Now every probe waits on the one read in progress."""
+    import threading
+
+    answered = threading.Event()
+    reads = []
+    ready = SimpleNamespace(status="HEALTHY", replica_states={"RUNNING": 1}, message="")
+
+    def slow_status():
+        reads.append(1)
+        answered.wait(10)
+        return SimpleNamespace(applications={"app": SimpleNamespace(deployments={model_deployment_name("m"): ready})})
+
+    monkeypatch.setattr(status_module, "serve", SimpleNamespace(
+        get_replica_context=lambda: SimpleNamespace(app_name="app"), status=slow_status))
+    monkeypatch.setattr(status_module, "_READ_TIMEOUT_S", 0.05)
+    service = ServiceStatus({"m": _model(name="m")}, client=None, cache=None)
+
+    async def probes():
+        for _ in range(5):  # each gives up on the slow controller and answers from what it knew
+            await service.health()
+        answered.set()
+        await asyncio.sleep(0.1)
+        return await service.health()
+
+    assert run(probes()) == (200, {"status": "ok", "models": ["m"]})
+    assert len(reads) == 1
 
 
 def test_the_draft_keeps_the_side_a_crop_pct_processor_resizes_to_first():

@@ -181,6 +181,51 @@ def test_replicas_counted_from_the_answers_widen_the_flight():
     assert asyncio.run(scenario()) == 2
 
 
+def test_a_quiet_spell_forgets_no_replica_and_a_burst_after_it_is_admitted():
+    """Silence from every replica is no traffic, not fewer replicas: after a minute
+    without requests, a burst gets the capacity of every replica that answered before."""
+
+    async def scenario():
+        now = [0.0]
+        names = iter(f"r{i % 4}" for i in range(10**6))
+
+        async def send_many(calls):
+            return CallOutcomes(outcomes=tuple(_answer(c) for c in calls), replica=next(names))
+
+        gatherer = CallGatherer(send_many, GatherLimits.of(8, 8, 64), default_timeout_s=5.0,
+                                overloaded=lambda: OverloadedError("full", retry_after_s=1), clock=lambda: now[0])
+        for i in range(8):
+            await gatherer.submit(_call(str(i)))
+        assert gatherer.replicas() == 4
+        now[0] += 600.0  # ten quiet minutes
+        burst = [gatherer.submit(_call(str(i))) for i in range(4 * 8 + 8)]  # what 4 replicas and the queue take
+        await asyncio.gather(*burst)
+        return gatherer.replicas()
+
+    assert asyncio.run(scenario()) == 4
+
+
+def test_a_replica_silent_while_others_answer_is_forgotten():
+    async def scenario():
+        now = [0.0]
+        replica = ["r1"]
+
+        async def send_many(calls):
+            return CallOutcomes(outcomes=tuple(_answer(c) for c in calls), replica=replica[0])
+
+        gatherer = CallGatherer(send_many, GatherLimits.of(8, 8, 64), default_timeout_s=5.0,
+                                overloaded=lambda: OverloadedError("full", retry_after_s=1), clock=lambda: now[0])
+        await gatherer.submit(_call("a"))
+        replica[0] = "r2"
+        await gatherer.submit(_call("b"))
+        assert gatherer.replicas() == 2
+        now[0] += 31.0  # r1 scaled down: only r2 answers from now on
+        await gatherer.submit(_call("c"))
+        return gatherer.replicas()
+
+    assert asyncio.run(scenario()) == 1
+
+
 def test_only_unary_tasks_gather():
     assert gathers("embedding") and gathers("text-classification") and gathers("image-classification")
     assert not gathers("text-generation")
