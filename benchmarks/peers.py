@@ -8,6 +8,7 @@ context window, batch cap, prefix caching and KV cache size. Nothing here is imp
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -70,6 +71,42 @@ class EngineSettings:
                 "enforce_eager": self.enforce_eager}
 
 
+def vllm_cli_flags(engine_args: dict) -> list[str]:
+    """vLLM engine arguments (a dict such as ``serve_app.replica.vllm_engine.engine_args``
+    gives) as the api_server's command-line flags: ``model`` left out (the server takes
+    it as ``--model``), None left at vLLM's default, dicts and lists as JSON, booleans as
+    ``--x`` / ``--no-x``. Some of vLLM's switches have no ``--no-x`` (``--disable-log-stats``):
+    False is their default, so it is left out; vLLM's parser says which."""
+    parser = _vllm_parser()
+    flags: list[str] = []
+    for name, value in engine_args.items():
+        if name == "model" or value is None:
+            continue
+        flag = name.replace("_", "-")
+        if isinstance(value, bool):
+            if value:
+                flags.append(f"--{flag}")
+            elif parser is None or f"--no-{flag}" in parser._option_string_actions:
+                flags.append(f"--no-{flag}")
+            elif parser.get_default(name) is not False:
+                raise ValueError(f"vLLM's server cannot be told {name}=False: it has no --no-{flag}")
+        elif isinstance(value, (dict, list)):
+            flags += [f"--{flag}", json.dumps(value)]
+        else:
+            flags += [f"--{flag}", str(value)]
+    return flags
+
+
+def _vllm_parser():
+    """vLLM's engine-argument parser, or None where vLLM is not installed."""
+    try:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+    except ImportError:
+        return None
+    return AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -89,6 +126,10 @@ class VLLMServer:
     settings: EngineSettings
     log_path: Path
     startup_timeout_s: float = 900.0
+    # The engine's flags, when given, instead of the settings' (see vllm_cli_flags).
+    engine_flags: Optional[list[str]] = None
+    # Set in the server's environment on top of ours (e.g. its cache directories).
+    env: dict[str, str] = field(default_factory=dict)
     port: int = field(default_factory=_free_port)
     process: Optional[subprocess.Popen] = None
 
@@ -99,10 +140,12 @@ class VLLMServer:
     def command(self) -> list[str]:
         return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_dir,
                 "--served-model-name", self.served_name, "--host", "127.0.0.1", "--port", str(self.port),
-                "--disable-uvicorn-access-log", *self.settings.vllm_cli_args()]
+                "--disable-uvicorn-access-log",
+                *(self.settings.vllm_cli_args() if self.engine_flags is None else self.engine_flags)]
 
     def start(self) -> str:
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(self.settings.kv_cache_gib), "HF_HUB_OFFLINE": "1"}
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(self.settings.kv_cache_gib), "HF_HUB_OFFLINE": "1",
+               **self.env}
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "w")
         log.write(" ".join(self.command()) + "\n")
