@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 from ray import serve
 
 from serve_app.config import CacheConfig
-from serve_app.core.cache import MemoryStore, RedisStore, ResilientStore, SemanticIndex
+from serve_app.core.cache import NOT_SENT, MemoryStore, RedisStore, ResilientStore, SemanticIndex, bounded_reply
 from serve_app.metrics import StoreMetrics
 from serve_app.serve_logs import start_log_flusher
 
@@ -83,12 +83,16 @@ class CacheServer:
                 logger.debug("cache gauge refresh failed", exc_info=True)
             await asyncio.sleep(period_s)
 
-    async def get_many(self, keys: Sequence[str]) -> list[Optional[bytes]]:
-        """One value (or None) per key, in order: the lookups of several requests in one call."""
+    async def get_many(self, keys: Sequence[str], max_reply_bytes: Optional[int] = None) -> list:
+        """One value (or None) per key, in order: the lookups of several requests in one
+        call. With ``max_reply_bytes`` (the transport's message limit, less headroom),
+        values past it come back as NOT_SENT, for the caller to ask for again: 64 cached
+        768-d vectors are 440 KB, and ten such hits would pass gRPC's 4 MiB."""
         values = await self.store.get_many(list(keys))
-        self.counts["gets"] += len(values)
-        self.counts["hits"] += sum(value is not None for value in values)
-        return values
+        reply = bounded_reply(values, max_reply_bytes)
+        self.counts["gets"] += sum(value is not NOT_SENT for value in reply)
+        self.counts["hits"] += sum(value is not None and value is not NOT_SENT for value in reply)
+        return reply
 
     async def set_many(self, entries: Sequence[tuple[str, bytes, Optional[float]]]) -> list[None]:
         """Several write-backs in one call; a ttl_s of None takes the configured TTL, 0 deletes."""

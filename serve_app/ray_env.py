@@ -53,3 +53,14 @@ def high_throughput_active(environ: Optional[MutableMapping[str, str]] = None) -
     """Whether Ray Serve will run its HAProxy ingress with these variables."""
     environ = os.environ if environ is None else environ
     return environ.get("RAY_SERVE_ENABLE_HA_PROXY", "0") == "1"
+
+
+def handle_message_budget_bytes() -> int:
+    """The most bytes one call between deployments (or its reply) should carry: three
+    quarters of the message limit of Ray Serve's gRPC transport between deployments
+    (RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH, 4 MiB unless set; the high-throughput
+    mode sends handle calls over it), the rest left for framing and pickling. Read from
+    Ray, so a limit raised there raises this too."""
+    from ray.serve._private.constants import RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH
+
+    return RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH * 3 // 4

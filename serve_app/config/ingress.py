@@ -35,9 +35,10 @@ class RouterConfig(_Section):
     )
     gather_calls: bool = Field(
         True,
-        description="Send concurrent embedding and classification calls to a model as one Serve request "
+        description="Send concurrent embedding and text-classification calls to a model as one Serve request "
         "(each keeps its own result and errors): 40-55% less CPU per call in the router and the model "
-        "replica, measured on 2 cores. Generation calls always travel alone.",
+        "replica, measured on 2 cores. Generation and image calls always travel alone (a group answers when "
+        "its slowest call ends).",
     )
     max_body_bytes: int = Field(
         16 * 2**20, ge=1024, description="Largest request body accepted; larger ones get HTTP 413 unread."

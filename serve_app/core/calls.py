@@ -209,7 +209,8 @@ StreamEvent = Union[StreamDelta, StreamEnd]
 
 @dataclass(frozen=True)
 class EmbedCall:
-    texts: tuple[str, ...]
+    # Each input: a text, or token ids as given (a tuple of ints, OpenAI's token input).
+    texts: tuple[Union[str, tuple[int, ...]], ...]
     # time.time() past which the caller no longer waits: rows still queued are dropped
     # with a 504 instead of being computed for nobody. Set by the router's model client.
     deadline: Optional[float] = None
@@ -275,7 +276,7 @@ class GenerateCall:
 
     max_tokens: int
     sampling: SamplingParams = SamplingParams()
-    prompts: Optional[tuple[str, ...]] = None
+    prompts: Optional[tuple[Union[str, tuple[int, ...]], ...]] = None  # texts, or token ids as given
     messages: Optional[tuple[ChatTurn, ...]] = None
     stop: tuple[str, ...] = ()
     deadline: Optional[float] = None
@@ -284,6 +285,11 @@ class GenerateCall:
     logprobs: Optional[int] = None
     response_format: Optional[ResponseFormat] = None
     tools: Optional[str] = None  # OpenAI's tools list as canonical JSON text (chat only)
+    # The client did not send max_tokens: max_tokens is the model's default, and a prompt
+    # that leaves less room gets what is left (as vLLM's server does), not a 400 naming a
+    # field the client never sent. Not part of the cache key: what it changes follows
+    # from the prompt and max_tokens, which are.
+    max_tokens_defaulted: bool = False
 
     result_type: ClassVar[type] = GenerateResult
 

@@ -98,6 +98,20 @@ class ModelUnavailableError(ServeAppError):
         super().__init__(message, param=param, code=code)
 
 
+class EngineRestartingError(ModelUnavailableError):
+    """The engine of the replica that took the call died (vLLM's engine core); Serve
+    replaces that replica. The call may run on another one: the router retries it,
+    and a client that still gets this 503 may retry after a few seconds."""
+
+    retry_after_s = 5
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = "engine_dead"):
+        super().__init__(message, param=param, code=code)
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after_s)}
+
+
 class DeadlineExceededError(ServeAppError):
     """The request waited or ran past its deadline (HTTP 504)."""
 

@@ -16,7 +16,9 @@ it, and each caller then retries or answers by itself (``ModelClient``).
 
 The limits keep Serve's meaning per call, not per group: a group carries at most
 ``max_ongoing_requests / GROUPS_PER_REPLICA`` calls and ``batching.max_batch_size``
-rows (a larger call travels alone), and calls beyond ``max_ongoing_requests`` per replica
+rows (a larger call travels alone), and it and its reply stay within the bytes that
+one handle call may carry (three quarters of Ray's gRPC message limit: the sum of
+many calls' texts or vectors would fail the whole group), and calls beyond ``max_ongoing_requests`` per replica
 plus ``max_queued_requests`` get a 503 at once, as Serve's own full queue does. The
 replicas are counted from the answers (each names its replica), so a scale-up widens
 the flight within one answer.
@@ -30,7 +32,7 @@ import asyncio
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any, Awaitable, Callable, Optional, Sequence
 
 from serve_app.core.calls import CallOutcomes, ModelCall
 from serve_app.core.shared_tasks import SharedCallCancelled, start_shared
@@ -57,11 +59,31 @@ class GatherLimits:
     max_rows: int  # inputs per group
     max_ongoing_per_replica: int  # Serve's max_ongoing_requests
     max_queued: int  # Serve's max_queued_requests
+    # Bytes a group and its reply may carry (below the transport's message limit); None: unbounded.
+    max_bytes: Optional[int] = None
 
     @classmethod
-    def of(cls, max_ongoing_requests: int, max_queued_requests: int, max_batch_size: int) -> "GatherLimits":
+    def of(cls, max_ongoing_requests: int, max_queued_requests: int, max_batch_size: int,
+           max_bytes: Optional[int] = None) -> "GatherLimits":
         return cls(max_calls=max(1, max_ongoing_requests // GROUPS_PER_REPLICA), max_rows=max_batch_size,
-                   max_ongoing_per_replica=max_ongoing_requests, max_queued=max_queued_requests)
+                   max_ongoing_per_replica=max_ongoing_requests, max_queued=max_queued_requests, max_bytes=max_bytes)
+
+
+def call_bytes(call: ModelCall) -> int:
+    """About how many bytes a call's inputs pickle to: its texts' UTF-8 (or 8 per token id)."""
+    texts = getattr(call, "texts", None) or ()
+    return sum(len(t.encode("utf-8", "surrogatepass")) if isinstance(t, str) else 8 * len(t) for t in texts)
+
+
+def reply_bytes_per_row(outcome: Any) -> int:
+    """About how many bytes one input's answer pickles to (9 per float of a vector)."""
+    embeddings = getattr(outcome, "embeddings", None)
+    if embeddings:
+        return 9 * len(embeddings[0]) + 16
+    rankings = getattr(outcome, "rankings", None)
+    if rankings:
+        return 48 * len(rankings[0]) + 16
+    return 0
 
 
 @dataclass
@@ -69,6 +91,7 @@ class _Waiting:
     call: ModelCall
     rows: int
     future: asyncio.Future
+    bytes: int = 0
 
 
 class CallGatherer:
@@ -88,6 +111,7 @@ class CallGatherer:
         self._groups_in_flight = 0
         self._calls_in_flight = 0
         self._replicas: dict[str, float] = {}  # replica id -> when it last answered
+        self._reply_row_bytes = 0  # the largest answer per input seen (a vector's size), for the byte bound
         self._tasks: set[asyncio.Task] = set()
         self.calls = 0  # calls submitted
         self.groups = 0  # groups sent
@@ -103,7 +127,7 @@ class CallGatherer:
         if self._calls_in_flight + len(self._waiting) >= capacity:
             raise self._overloaded()
         future = asyncio.get_running_loop().create_future()
-        waiting = _Waiting(call, call.rows, future)
+        waiting = _Waiting(call, call.rows, future, call_bytes(call) if self.limits.max_bytes else 0)
         self._waiting.append(waiting)
         self._waiting_rows += waiting.rows
         self.calls += 1
@@ -153,10 +177,16 @@ class CallGatherer:
 
     def _take_group(self) -> list[_Waiting]:
         group: list[_Waiting] = []
-        rows = 0
+        rows = size = 0
+        budget = self.limits.max_bytes
         while self._waiting and len(group) < self.limits.max_calls:
             head = self._waiting[0]
             if group and rows + head.rows > self.limits.max_rows:
+                break
+            # The group and its reply stay under the transport's limit: a group of large
+            # texts, or of many inputs with long vectors, would fail whole.
+            head_size = head.bytes + head.rows * self._reply_row_bytes
+            if group and budget is not None and size + head_size > budget:
                 break
             self._waiting.popleft()
             self._waiting_rows -= head.rows
@@ -164,6 +194,7 @@ class CallGatherer:
                 continue
             group.append(head)
             rows += head.rows
+            size += head_size
         return group
 
     def _timeout_s(self, group: Sequence[_Waiting]) -> float:
@@ -189,6 +220,8 @@ class CallGatherer:
         else:
             if reply.replica is not None:
                 self._replicas[reply.replica] = self._clock()
+            if self.limits.max_bytes is not None:
+                self._reply_row_bytes = max([self._reply_row_bytes, *(reply_bytes_per_row(o) for o in reply.outcomes)])
             for waiting, outcome in zip(group, reply.outcomes):
                 if waiting.future.done():  # its caller stopped waiting
                     continue
@@ -203,7 +236,10 @@ class CallGatherer:
 
 
 def gathers(task: str) -> bool:
-    """Whether a model of ``task`` has its calls gathered: the tasks with unary calls of
-    bounded cost. Generation stays one request per call: a group answers when its last
-    call ends, and a long generation would hold back every short one beside it."""
-    return task in ("embedding", "text-classification", "image-classification")
+    """Whether a model of ``task`` has its calls gathered: the tasks whose calls cost about
+    the same, text embeddings and text classification. A group answers when its slowest
+    call ends, so generation stays one request per call (a long generation would hold
+    back every short one beside it), and so does image classification: one image may
+    hold up to 64 megapixels to decode, on two decode threads, and a group would make
+    every small image beside it wait for that one."""
+    return task in ("embedding", "text-classification")

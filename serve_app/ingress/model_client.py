@@ -25,10 +25,17 @@ from ray.serve.handle import DeploymentHandle
 
 from serve_app.config import ModelConfig, RouterConfig
 from serve_app.core.calls import CallOutcomes, GenerateCall, ModelCall, ModelInfo, ModelResult, StreamEvent
-from serve_app.core.errors import DeadlineExceededError, ModelUnavailableError, OverloadedError, ServeAppError
+from serve_app.core.errors import (
+    DeadlineExceededError,
+    EngineRestartingError,
+    ModelUnavailableError,
+    OverloadedError,
+    ServeAppError,
+)
 from serve_app.core.shared_tasks import SharedCallCancelled
 from serve_app.ingress.call_gathering import CallGatherer, GatherLimits, gathers
 from serve_app.ingress.http_errors import unwrap
+from serve_app.ray_env import handle_message_budget_bytes
 
 logger = logging.getLogger("ray.serve")
 
@@ -89,7 +96,8 @@ class ModelServerBackend:
             router = router or RouterConfig()
             self.gatherer = CallGatherer(
                 self._infer_many,
-                GatherLimits.of(model.max_ongoing_requests, model.max_queued_requests, model.batching.max_batch_size),
+                GatherLimits.of(model.max_ongoing_requests, model.max_queued_requests, model.batching.max_batch_size,
+                                max_bytes=handle_message_budget_bytes()),
                 overloaded=lambda: overloaded_error(model.name, router.retry_after_s),
                 default_timeout_s=router.request_timeout_s,
             )
@@ -184,7 +192,12 @@ class ModelClient:
                     raise
                 await self._before_retry(model, exc, attempt)
             except Exception as exc:
-                raise self._model_error(model, exc) from None
+                error = self._model_error(model, exc)
+                # A replica whose engine died answers at once, so it looks idle and keeps
+                # drawing calls until its health check fails: the call goes to another.
+                if not isinstance(error, EngineRestartingError) or attempt == self.config.replica_retries:
+                    raise error from None
+                await self._before_retry(model, error, attempt)
         raise AssertionError("unreachable: the last attempt returns or raises")
 
     async def stream(self, model: ModelConfig, call: GenerateCall, *,
@@ -217,7 +230,10 @@ class ModelClient:
                     raise
                 await self._before_retry(model, exc, attempt)
             except Exception as exc:
-                raise self._model_error(model, exc) from None
+                error = self._model_error(model, exc)
+                if started or not isinstance(error, EngineRestartingError) or attempt == self.config.replica_retries:
+                    raise error from None
+                await self._before_retry(model, error, attempt)
             finally:
                 if not finished:
                     events.cancel()

@@ -73,8 +73,14 @@ class _Body(_Request):
     user: Optional[str] = None
 
 
+# OpenAI's inputs as token ids: one input as a list of ids, or several as a list of lists
+# (LangChain's OpenAIEmbeddings sends these by default). Ids are checked against the
+# model's vocabulary in the replica, and cached by the ids.
+TokenIds = list[int]
+
+
 class EmbeddingBody(_Body):
-    input: Union[str, list[str]]
+    input: Union[str, list[str], TokenIds, list[TokenIds]]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Optional[int] = Field(None, ge=1)
 
@@ -160,7 +166,7 @@ class SamplingBody(_Body):
 
 
 class CompletionBody(SamplingBody):
-    prompt: Union[str, list[str]]
+    prompt: Union[str, list[str], TokenIds, list[TokenIds]]
     echo: bool = False
     suffix: Optional[str] = None
     best_of: Optional[int] = Field(None, ge=1)
@@ -245,7 +251,20 @@ class ClassifyBody(_Body):
 # ---- bodies -> typed calls ------------------------------------------------------------
 
 
-def _as_list(value: Union[str, list[str]], field: str, limit: int) -> list[str]:
+def _inputs(value: Union[str, list[str], TokenIds, list[TokenIds]], field: str,
+            limit: int) -> list[Union[str, tuple[int, ...]]]:
+    """Texts, or token-id inputs as tuples: ``[1, 2]`` is one input, ``[[1, 2], [3]]`` two."""
+    if isinstance(value, list) and value and all(isinstance(v, int) for v in value):
+        return _as_list([tuple(value)], field, limit)
+    if isinstance(value, list) and value and all(isinstance(v, list) for v in value):
+        empty = next((i for i, v in enumerate(value) if not v), None)
+        if empty is not None:
+            raise InvalidRequestError(f"{field}[{empty}] is an empty list of token ids", param=field)
+        return _as_list([tuple(v) for v in value], field, limit)
+    return _as_list(value, field, limit)
+
+
+def _as_list(value, field: str, limit: int) -> list:
     items = [value] if isinstance(value, str) else list(value)
     if not items:
         raise InvalidRequestError(f"'{field}' must not be empty", param=field)
@@ -302,7 +321,7 @@ def _check_image_pixels(images: list[bytes]) -> None:
 def embed_call(body: EmbeddingBody, model: ModelConfig) -> EmbedCall:
     if body.dimensions is not None:
         raise InvalidRequestError("'dimensions' is not supported; omit it for the model's full size", param="dimensions")
-    return EmbedCall(texts=tuple(_as_list(body.input, "input", model.max_inputs_per_request)))
+    return EmbedCall(texts=tuple(_inputs(body.input, "input", model.max_inputs_per_request)))
 
 
 def classify_call(body: ClassifyBody, model: ModelConfig) -> ClassifyCall:
@@ -337,8 +356,8 @@ def _generate_call(body: SamplingBody, model: ModelConfig, **inputs: Any) -> Gen
         raise InvalidRequestError("stream_options is only allowed with stream=true", param="stream_options")
     if body.n > limits.max_choices:
         raise InvalidRequestError(f"n is {body.n}; this model allows at most {limits.max_choices}", param="n")
-    max_tokens = body.requested_max_tokens()
-    max_tokens = limits.default_max_tokens if max_tokens is None else max_tokens
+    asked = body.requested_max_tokens()
+    max_tokens = limits.default_max_tokens if asked is None else asked
     if max_tokens > limits.max_tokens_limit:
         raise InvalidRequestError(
             f"max_tokens is {max_tokens}; this model allows at most {limits.max_tokens_limit}", param="max_tokens"
@@ -353,7 +372,8 @@ def _generate_call(body: SamplingBody, model: ModelConfig, **inputs: Any) -> Gen
     sampling = SamplingParams(temperature=body.temperature, top_p=body.top_p, seed=body.seed,
                               frequency_penalty=body.frequency_penalty, presence_penalty=body.presence_penalty,
                               logit_bias=body.logit_bias_pairs())
-    return GenerateCall(max_tokens=max_tokens, sampling=sampling, stop=tuple(stop), n=body.n, **inputs)
+    return GenerateCall(max_tokens=max_tokens, sampling=sampling, stop=tuple(stop), n=body.n,
+                        max_tokens_defaulted=asked is None, **inputs)
 
 
 def _logprobs(top: Optional[int], model: ModelConfig, param: str) -> Optional[int]:
@@ -373,7 +393,7 @@ def completion_call(body: CompletionBody, model: ModelConfig) -> GenerateCall:
         raise InvalidRequestError("suffix is not supported; send the request without it", param="suffix")
     if body.best_of is not None and body.best_of != body.n:  # best_of == n: every sample is returned
         raise InvalidRequestError("best_of is not supported; use n for several completions", param="best_of")
-    prompts = _as_list(body.prompt, "prompt", model.max_inputs_per_request)
+    prompts = _inputs(body.prompt, "prompt", model.max_inputs_per_request)
     if isinstance(body.logprobs, bool):  # the legacy field is a count; true would read as 1
         raise InvalidRequestError("logprobs is a number of alternatives per token (0-5) on /v1/completions",
                                   param="logprobs")
@@ -535,6 +555,9 @@ class ChunkFormat:
     def __init__(self, model: str):
         self.head = {"id": f"{self.id_prefix}-{uuid.uuid4().hex}", "object": self.object_name,
                      "created": int(time.time()), "model": model}
+        # Per choice: how much text its earlier chunks carried, where the next chunk's
+        # logprob text_offset starts (OpenAI's offsets run over the whole completion).
+        self._sent_chars: dict[int, int] = {}
 
     def opening(self, choices: int = 1) -> list[dict]:
         return []  # completions chunks carry no role announcement
@@ -542,11 +565,13 @@ class ChunkFormat:
     def _choice(self, index: int, text: Optional[str]) -> dict:
         return {"index": index, "text": text or ""}
 
-    def _logprobs(self, logprobs: Optional[tuple[TokenLogprob, ...]]) -> Optional[dict]:
-        return completion_logprobs(logprobs)
+    def _logprobs(self, logprobs: Optional[tuple[TokenLogprob, ...]], text_offset: int) -> Optional[dict]:
+        return completion_logprobs(logprobs, text_offset)
 
     def text(self, index: int, text: str, logprobs: Optional[tuple[TokenLogprob, ...]] = None) -> dict:
-        return {**self.head, "choices": [{**self._choice(index, text), "logprobs": self._logprobs(logprobs),
+        offset = self._sent_chars.get(index, 0)
+        self._sent_chars[index] = offset + len(text)
+        return {**self.head, "choices": [{**self._choice(index, text), "logprobs": self._logprobs(logprobs, offset),
                                           "finish_reason": None}]}
 
     def finish(self, index: int, finish_reason: str) -> dict:
@@ -570,8 +595,8 @@ class ChatChunkFormat(ChunkFormat):
     def _choice(self, index: int, text: Optional[str]) -> dict:
         return {"index": index, "delta": {} if text is None else {"content": text}}
 
-    def _logprobs(self, logprobs: Optional[tuple[TokenLogprob, ...]]) -> Optional[dict]:
-        return chat_logprobs(logprobs)
+    def _logprobs(self, logprobs: Optional[tuple[TokenLogprob, ...]], text_offset: int) -> Optional[dict]:
+        return chat_logprobs(logprobs)  # chat logprobs carry no offsets
 
 
 def sse(payload: dict) -> bytes:

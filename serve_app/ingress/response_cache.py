@@ -38,6 +38,7 @@ from serve_app.core.calls import (
     ModelResult,
 )
 from serve_app.core.cache import (
+    NOT_SENT,
     CallBatcher,
     SingleFlight,
     cache_key,
@@ -48,6 +49,7 @@ from serve_app.core.cache import (
 )
 from serve_app.core.cache.semantic import semantic_request
 from serve_app.core.shared_tasks import start_shared
+from serve_app.ray_env import handle_message_budget_bytes
 from serve_app.ingress import caller
 from serve_app.ingress.model_client import ModelClient
 from serve_app.ingress.notes import note
@@ -101,10 +103,15 @@ class ResponseCache:
         # Lookups and write-backs of requests that arrive together go to the CacheServer
         # as one call each: its per-call cost, not the store, is most of what a miss
         # costs (core.cache.batcher).
+        # Both bounded in bytes too, below the transport's message limit: a batch of
+        # large answers (64 vectors of 768 floats are 440 KB) would otherwise fail whole.
+        self.max_bytes = handle_message_budget_bytes()
+        self.too_large = 0  # answers not cached: larger than one CacheServer call may carry
         self._lookups: CallBatcher[str, Optional[bytes]] = CallBatcher(
             self._get_many, timeout_s=config.call_timeout_s, max_batch=_STORE_BATCH)
         self._writes: CallBatcher[tuple, None] = CallBatcher(
-            self._set_many, timeout_s=config.call_timeout_s, max_batch=_STORE_BATCH)
+            self._set_many, timeout_s=config.call_timeout_s, max_batch=_STORE_BATCH,
+            size_of=lambda entry: len(entry[0]) + len(entry[1]), max_bytes=self.max_bytes)
         self._revisions: dict[str, _KnownRevision] = {}
         self._too_long: dict[str, tuple[int, float]] = {}  # embedder -> (chars, when) it refused
         self._warned_at: dict[str, float] = {}
@@ -143,7 +150,7 @@ class ResponseCache:
         store = await self._store_call("stats", lambda store: store.stats.remote(), timeout_s=5)
         return {**(store or {}), "router_outcomes": outcomes, "router_cache_errors": self.errors,
                 "coalesced": self.flights.coalesced, "router_corrupt_entries": self.corrupt_entries,
-                "router_semantic_too_long": self.semantic_too_long}
+                "router_semantic_too_long": self.semantic_too_long, "router_too_large_to_store": self.too_large}
 
     # ---- the lookup ------------------------------------------------------------------
 
@@ -391,6 +398,9 @@ class ResponseCache:
         ``namespace``, also its question's vector and text for the semantic index."""
         encoded = encode_value(result.to_wire())
         self._remember(key, encoded, result)
+        if len(encoded) > self.max_bytes:  # no CacheServer call could carry it (the hot tier keeps it)
+            self.too_large += 1
+            return
         if namespace is None or vector is None or question is None:
             self._write_later((key, encoded, ttl_s))
             return
@@ -426,7 +436,20 @@ class ResponseCache:
             return None
 
     async def _get_many(self, keys: list[str]) -> list[Optional[bytes]]:
-        return await self.store.get_many.remote(keys)
+        """Every key's value, in as many CacheServer calls as keep each reply under the
+        transport's limit (the CacheServer leaves out, as NOT_SENT, what did not fit)."""
+        values: list[Optional[bytes]] = [None] * len(keys)
+        pending = list(range(len(keys)))
+        while pending:
+            reply = await self.store.get_many.remote([keys[i] for i in pending], self.max_bytes)
+            left = [i for i, value in zip(pending, reply) if value is NOT_SENT]
+            for i, value in zip(pending, reply):
+                if value is not NOT_SENT:
+                    values[i] = value
+            if len(left) == len(pending):  # nothing came back: never loop on a server that sends nothing
+                break
+            pending = left
+        return values
 
     async def _set_many(self, entries: list[tuple]) -> list[None]:
         return await self.store.set_many.remote(entries)

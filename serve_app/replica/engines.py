@@ -142,20 +142,39 @@ def prompt_ids(runtime: GenerationRuntime, call: GenerateCall) -> list[list[int]
         rows = [runtime.encode_chat(chat)]
     else:
         rows = encode_each(runtime.encode_prompt, call.prompts, "prompt")
+    window = runtime.max_input_tokens
     for ids in rows:
         total = len(ids) + call.max_tokens
-        if total > runtime.max_input_tokens:
+        if total <= window:
+            continue
+        if not call.max_tokens_defaulted:
             raise ContextLengthExceededError(
                 f"prompt ({len(ids)} tokens) + max_tokens ({call.max_tokens}) = {total} tokens exceeds "
-                f"the model's context of {runtime.max_input_tokens} tokens; shorten the prompt or lower max_tokens",
+                f"the model's context of {window} tokens; shorten the prompt or lower max_tokens",
                 param="max_tokens",
             )
+        if len(ids) >= window:  # no room left for even one token: the prompt is what is too long
+            field = "messages" if chat is not None else "prompt"
+            raise ContextLengthExceededError(
+                f"the {field} has {len(ids)} tokens and fills the model's context of {window} tokens; shorten it",
+                param=field)
     return rows
 
 
-async def encode_rows(runtime: GenerationRuntime, call: GenerateCall) -> list[list[int]]:
-    """:func:`prompt_ids` in the replica's tokenizer thread, off the event loop."""
-    return await in_tokenizer_thread(prompt_ids, runtime, call)
+def fit_max_tokens(call: GenerateCall, rows: list[list[int]], window: int) -> GenerateCall:
+    """The call with a defaulted max_tokens lowered to the room its longest prompt leaves
+    in the context (what :func:`prompt_ids` let through); an explicit one as it is."""
+    room = window - max(len(ids) for ids in rows)
+    if not call.max_tokens_defaulted or room >= call.max_tokens:
+        return call
+    return dataclasses.replace(call, max_tokens=room)
+
+
+async def encode_rows(runtime: GenerationRuntime, call: GenerateCall) -> tuple[list[list[int]], GenerateCall]:
+    """:func:`prompt_ids` in the replica's tokenizer thread, off the event loop, and the
+    call with its max_tokens fitted to them (:func:`fit_max_tokens`)."""
+    rows = await in_tokenizer_thread(prompt_ids, runtime, call)
+    return rows, fit_max_tokens(call, rows, runtime.max_input_tokens)
 
 
 class _TransformersEngine:
@@ -225,7 +244,7 @@ class _TransformersEngine:
 
     async def _rows(self, call: GenerateCall, deltas: Optional[asyncio.Queue]) -> list[Row]:
         refuse_what_only_vllm_does(call, self.kind)
-        encoded = await encode_rows(self.runtime, call)
+        encoded, call = await encode_rows(self.runtime, call)
         loop = asyncio.get_running_loop()
         return [
             # new_tokens: generate() pads prompts to the longest one and then appends the

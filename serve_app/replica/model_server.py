@@ -357,10 +357,11 @@ class ModelServer:
         return await answer_each(self.infer, calls, replica=_replica_id(), unexpected=self._unexpected)
 
     def _unexpected(self, outcome: BaseException) -> ServeAppError:
-        # An unexpected failure travels as a plain 500 with its type and message: the
-        # traceback stays in this replica's log, and only our own errors cross the handle.
+        # An unexpected failure travels as a plain 500 that says where to look: its type,
+        # message and traceback stay in this replica's log (they may hold other requests'
+        # data or internals), and only our own errors cross the handle.
         logger.error("model %s: call failed", self.config.name, exc_info=outcome)
-        return ServeAppError(f"model {self.config.name!r} failed: {type(outcome).__name__}: {outcome}",
+        return ServeAppError(f"model {self.config.name!r} failed on this request; see the model replica's log",
                              code="internal_error")
 
     async def infer_stream(self, call: GenerateCall) -> AsyncIterator[StreamEvent]:

@@ -47,12 +47,14 @@ from serve_app.core.calls import (
 from serve_app.core.errors import (
     ContextLengthExceededError,
     DeadlineExceededError,
+    EngineRestartingError,
     InvalidRequestError,
     ModelUnavailableError,
 )
+from serve_app.core.models.base import token_id_input, vocabulary_size
 from serve_app.core.models.generation import encode_chat_template
 from serve_app.replica.engines import encode_rows, refuse_tool_calls
-from serve_app.replica.inputs import encode_each
+from serve_app.replica.inputs import encode_each, in_tokenizer_thread
 from serve_app.replica.stats import ReplicaObserver, RowTiming
 
 logger = logging.getLogger("ray.serve")
@@ -105,11 +107,28 @@ class VLLMRuntime:
     stats_logger: "EngineStatsLogger"
     labels: tuple = ()
 
-    def tokenize(self, text: str) -> list[int]:
-        return self.tokenizer(text).input_ids
+    def tokenize(self, text: str | tuple[int, ...]) -> list[int]:
+        """An embedding input's token ids (a text's, or the ids given); refuses an empty one, as the transformers
+        runtime does (the tokenizer alone would give [CLS] [SEP], and a vector for nothing)."""
+        return self._ids(text, "input")
 
-    # What replica.engines.prompt_ids asks of a runtime (as of GenerationRuntime).
-    encode_prompt = tokenize
+    def encode_prompt(self, prompt: str | tuple[int, ...]) -> list[int]:
+        """A completion prompt's token ids (what replica.engines.prompt_ids asks of a
+        runtime). An empty prompt is refused here: on a tokenizer without BOS it is [],
+        which vLLM would raise on."""
+        return self._ids(prompt, "prompt")
+
+    def _ids(self, text: str | tuple[int, ...], field: str) -> list[int]:
+        if isinstance(text, (tuple, list)):  # token ids, as given (the context is checked by the caller)
+            return token_id_input(text, vocabulary_size(self.tokenizer), field)
+        if not isinstance(text, str):
+            raise InvalidRequestError(f"{field} must be a string, got {type(text).__name__}", param=field)
+        if not text.strip():
+            raise InvalidRequestError(f"{field} is empty; give some text", param=field)
+        ids = self.tokenizer(text).input_ids
+        if not ids:
+            raise InvalidRequestError(f"{field} encodes to no tokens; give some text", param=field)
+        return ids
 
     def encode_chat(self, chat: list[dict]) -> list[int]:
         # Shared with the transformers engines: control tokens spelled in a message's
@@ -121,16 +140,28 @@ class VLLMRuntime:
         replaces the replica instead of letting it answer every request with an error."""
         await self.engine.check_health()
 
-    def unavailable(self, exc: BaseException) -> BaseException:
-        """The error a request gets when the engine fails under it: a dead engine is a
-        503 (the router retries another replica; Serve restarts this one), anything else as is."""
+    def request_error(self, exc: BaseException, field: str) -> BaseException:
+        """What a request gets when vLLM fails it. A dead engine is a 503 (the router
+        retries another replica; Serve restarts this one). What vLLM refuses in the
+        request's content (its client errors, and the ValueError/TypeError its input
+        checks raise, as vLLM's own server treats them) is a 400 naming the field:
+        ``response_format`` for a schema or grammar, else ``field`` (the call's input).
+        Anything else stays an internal error, whose text never reaches the client."""
+        from vllm.exceptions import VLLMClientError
         from vllm.v1.engine.exceptions import EngineDeadError
 
         if isinstance(exc, EngineDeadError):
-            return ModelUnavailableError("the model's vLLM engine stopped; its replica is being restarted",
-                                         code="engine_dead")
-        return exc
-
+            return EngineRestartingError("the model's vLLM engine stopped; its replica is being restarted")
+        refused = isinstance(exc, VLLMClientError) or (
+            isinstance(exc, (ValueError, TypeError, OverflowError)) and _raised_in_vllm(exc))
+        if not refused:
+            return exc
+        message = str(exc)
+        lowered = message.lower()
+        if any(word in lowered for word in ("grammar", "schema", "regex", "structured output")):
+            field = "response_format"
+        return InvalidRequestError(f"the model refused the request: {message}", param=field,
+                                   code="invalid_request")
     def close(self) -> None:
         self.engine.shutdown()
 
@@ -439,7 +470,7 @@ class VLLMEngine:
         """Run every prompt of the call, filling ``state`` and yielding each new piece of
         text. The choice index is OpenAI's: prompt-major, ``n`` per prompt."""
         refuse_tool_calls(call)
-        rows = await encode_rows(self.runtime, call)
+        rows, call = await encode_rows(self.runtime, call)
         sampling = self._sampling(call)
         enqueued = time.monotonic()
         self.observer.request(rows_outside_batches=len(rows) * call.n)
@@ -473,7 +504,7 @@ class VLLMEngine:
                         raise DeadlineExceededError("the request's deadline passed while the model generated",
                                                     code="timeout")
                     if task.exception() is not None:
-                        raise self.runtime.unavailable(task.exception()) from task.exception()
+                        raise self.runtime.request_error(task.exception(), _input_field(call)) from task.exception()
                     continue
                 for piece in output.outputs:
                     choice = choices[row][piece.index]
@@ -485,7 +516,7 @@ class VLLMEngine:
                     if logprobs:
                         choice.logprobs.extend(logprobs)
                     if piece.finish_reason is not None:
-                        choice.finish_reason = "length" if piece.finish_reason == "length" else "stop"
+                        choice.finish_reason = _finish_reason(piece.finish_reason)
                     if piece.text or logprobs:
                         choice.text.append(piece.text)
                         yield StreamDelta(index=row * call.n + piece.index, text=piece.text,
@@ -509,12 +540,42 @@ class VLLMEngine:
 
 
 
+def _finish_reason(vllm_reason: str) -> str:
+    """OpenAI's finish_reason for vLLM's. A generation vLLM ended unfinished ("abort":
+    aborted inside the engine, not by us; "error": a request-level engine failure) is
+    an error, never a "stop": a truncated answer would pass for a whole one, and the
+    cache would keep it for its TTL."""
+    if vllm_reason in ("stop", "length"):
+        return vllm_reason
+    if vllm_reason == "repetition":  # vLLM's repetition detector ended it: cut short, like a length stop
+        return "length"
+    raise ModelUnavailableError(f"the model's engine ended the generation unfinished ({vllm_reason}); retry",
+                                param=None, code="generation_unfinished")
+
+
+def _input_field(call: GenerateCall) -> str:
+    """The request field a generation's input came in."""
+    return "messages" if call.messages is not None else "prompt"
+
+
+def _raised_in_vllm(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised by vLLM's own code (its input checks), not ours."""
+    tb = exc.__traceback__
+    last = None
+    while tb is not None:
+        last, tb = tb, tb.tb_next
+    return last is not None and f"{os.sep}vllm{os.sep}" in last.tb_frame.f_code.co_filename
+
+
 def _completions(call: GenerateCall, state: _CallState) -> list[Completion]:
     completions = []
     for row, row_choices in enumerate(state.choices):
         for j, choice in enumerate(row_choices):
+            if choice.finish_reason is None:  # vLLM's stream ended without saying why: not a whole answer
+                raise ModelUnavailableError("the model's engine ended the generation without a finish reason; retry",
+                                            param=None, code="generation_unfinished")
             completions.append(Completion(
-                text="".join(choice.text), finish_reason=choice.finish_reason or "stop",
+                text="".join(choice.text), finish_reason=choice.finish_reason,
                 # A prompt's tokens count once, on its first choice.
                 prompt_tokens=state.prompt_tokens[row] if j == 0 else 0, completion_tokens=choice.tokens,
                 logprobs=tuple(choice.logprobs) if call.logprobs is not None else None,
@@ -578,7 +639,9 @@ class VLLMEmbedder:
     async def embed(self, call: EmbedCall) -> EmbedResult:
         from vllm import PoolingParams
 
-        token_rows = encode_each(self.runtime.tokenize, call.texts, "input")
+        # Off the event loop, as the other engines do: a large body takes seconds to
+        # tokenize, and meanwhile vLLM's output handler and the health check would wait.
+        token_rows = await in_tokenizer_thread(encode_each, self.runtime.tokenize, call.texts, "input")
         window = self.runtime.max_input_tokens
         for i, ids in enumerate(token_rows):
             if len(ids) > window:
@@ -603,7 +666,7 @@ class VLLMEmbedder:
                 raise DeadlineExceededError("the request's deadline passed while the model ran", code="timeout")
             failed = next((task.exception() for task in tasks if task.exception() is not None), None)
             if failed is not None:
-                raise self.runtime.unavailable(failed) from failed
+                raise self.runtime.request_error(failed, "input") from failed
             vectors = [task.result() for task in tasks]
         finally:
             for task in tasks:

@@ -192,6 +192,52 @@ def test_bad_input_gets_openai_errors_naming_the_field(local):
     assert many.status_code == 400 and many.json()["error"]["param"] == "n"
 
 
+def test_what_vllm_refuses_is_a_400_naming_the_field_and_changes_nothing(local):
+    schema = {"type": "object", "properties": {"a": {"type": "nosuchtype"}}}
+    bad_schema = _chat(local, f"hi ({uuid.uuid4().hex[:6]})", max_tokens=8,
+                       response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    assert bad_schema.status_code == 400, bad_schema.text
+    assert bad_schema.json()["error"]["param"] == "response_format"
+    for empty in ("", ["fine", ""], "   "):
+        answer = httpx.post(f"{local}/v1/embeddings", timeout=60, json={"model": "minilm", "input": empty})
+        assert answer.status_code == 400, (empty, answer.text)
+        assert answer.json()["error"]["param"].startswith("input")
+    prompt = httpx.post(f"{local}/v1/completions", timeout=60, json={"model": "smollm2", "prompt": "", "max_tokens": 2})
+    assert prompt.status_code == 400 and prompt.json()["error"]["param"] == "prompt"
+    # The service still answers as before.
+    assert _chat(local, f"hi ({uuid.uuid4().hex[:6]})", max_tokens=2).status_code == 200
+
+
+def test_token_id_inputs_are_served_and_cached_by_their_ids(local):
+    """OpenAI's token-id form, which LangChain's OpenAIEmbeddings sends by default."""
+    ids = [[101, 1037, 4937, 102], [101, 3899, 102]]
+    first = httpx.post(f"{local}/v1/embeddings", timeout=60, json={"model": "minilm", "input": ids})
+    assert first.status_code == 200, first.text
+    again = httpx.post(f"{local}/v1/embeddings", timeout=60, json={"model": "minilm", "input": ids})
+    assert [len(d["embedding"]) for d in first.json()["data"]] == [384, 384]
+    assert again.headers["x-cache"] == "hit" and again.json()["data"] == first.json()["data"]
+    outside = httpx.post(f"{local}/v1/embeddings", timeout=60, json={"model": "minilm", "input": [[10**7]]})
+    assert outside.status_code == 400 and outside.json()["error"]["param"] == "input"
+    completion = httpx.post(f"{local}/v1/completions", timeout=120, json={
+        "model": "smollm2", "prompt": [504, 3570, 314], "max_tokens": 3, "temperature": 0})
+    assert completion.status_code == 200, completion.text
+    assert completion.json()["usage"]["prompt_tokens"] == 3
+
+
+def test_streamed_completion_logprob_offsets_run_over_the_whole_text(local):
+    body = {"model": "smollm2", "prompt": f"Once upon a time ({uuid.uuid4().hex[:6]})", "max_tokens": 24,
+            "temperature": 0, "logprobs": 0, "stream": True}
+    with httpx.stream("POST", f"{local}/v1/completions", json=body, timeout=120) as response:
+        chunks = [c for c in _sse(response) if c != "[DONE]" and c["choices"] and c["choices"][0].get("logprobs")]
+    offsets, text = [], ""
+    for chunk in chunks:
+        choice = chunk["choices"][0]
+        assert choice["logprobs"]["text_offset"][0] == len(text), "each chunk continues where the last ended"
+        offsets += choice["logprobs"]["text_offset"]
+        text += choice["text"]
+    assert offsets == sorted(offsets) and len(chunks) >= 2
+
+
 def test_requests_past_their_deadline_get_504_and_are_aborted(tiny_vllm):
     body = {"model": "tiny-llama", "prompt": "once upon a time", "max_tokens": 100, "temperature": 0}
 

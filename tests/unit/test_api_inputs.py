@@ -489,3 +489,76 @@ def test_the_draft_keeps_the_side_a_crop_pct_processor_resizes_to_first():
     convnext = SimpleNamespace(size={"shortest_edge": 224}, crop_size={"height": 224, "width": 224}, crop_pct=0.875)
     assert _draft_side(convnext) >= 256
     assert _draft_side(SimpleNamespace(size={"height": 224, "width": 224}, crop_size=None)) == 224
+
+
+# ---- token-id inputs (OpenAI's list-of-ints form) ---------------------------------------
+
+
+def _embed(value) -> "protocol.EmbedCall":
+    return protocol.embed_call(protocol.EmbeddingBody.model_validate({"model": "m", "input": value}),
+                               _model("embedding"))
+
+
+def test_token_id_inputs_become_one_input_per_list():
+    assert _embed([1996, 4937]).texts == ((1996, 4937),)
+    assert _embed([[1996, 4937], [3899]]).texts == ((1996, 4937), (3899,))
+    assert _completion(prompt=[[5, 6], [7]]).prompts == ((5, 6), (7,))
+    assert _completion(prompt=[5, 6]).prompts == ((5, 6),)
+    assert _embed(["a", "b"]).texts == ("a", "b")  # texts stay texts
+
+
+def test_empty_or_mixed_token_id_inputs_are_refused():
+    assert _refused(_embed, value=[[1, 2], []]) == "input"
+    assert _refused(_embed, value=[]) == "input"
+    with pytest.raises(ValidationError):
+        _embed([1, "two"])
+
+
+def test_token_ids_and_text_that_spells_them_have_different_cache_keys():
+    from serve_app.core.cache import cache_key
+
+    def key(call):
+        return cache_key(model="m", revision="r", task="embedding", payload=call.cache_input(), params={})
+
+    assert key(_embed([1, 2])) == key(_embed([[1, 2]]))
+    assert key(_embed([1, 2])) != key(_embed("[1, 2]"))
+    assert key(_embed([1, 2])) != key(_embed([2, 1]))
+
+
+def test_token_ids_are_checked_against_the_vocabulary_and_used_as_given(llm, tiny_bert_embedding_dir):
+    from serve_app.core.models import LoadOptions, load_runtime
+
+    vocabulary = len(llm.tokenizer)
+    assert llm.encode_prompt((1, 2, 3)) == [1, 2, 3]  # no BOS added: the ids as the client sent them
+    with pytest.raises(InvalidRequestError) as caught:
+        llm.encode_prompt((1, vocabulary))
+    assert caught.value.param == "prompt" and str(vocabulary) in caught.value.message
+    with pytest.raises(InvalidRequestError):
+        llm.encode_prompt((-1,))
+    embedder = load_runtime(LoadOptions(source=str(tiny_bert_embedding_dir), task="embedding"))
+    assert embedder.tokenize((5, 6)) == [5, 6]
+    with pytest.raises(InvalidRequestError) as caught:
+        embedder.tokenize((len(embedder.tokenizer) + 3,))
+    assert caught.value.param == "input"
+    with pytest.raises(InvalidRequestError):  # longer than the context, as text would be
+        embedder.tokenize(tuple([5] * (embedder.max_input_tokens + 1)))
+
+
+def test_streamed_completion_logprob_offsets_continue_across_chunks():
+    from serve_app.core.calls import TokenLogprob
+
+    chunks = protocol.ChunkFormat("m")
+
+    def offsets(index, *tokens):
+        logprobs = tuple(TokenLogprob(token=t, logprob=-0.1, top=()) for t in tokens)
+        return chunks.text(index, "".join(tokens), logprobs)["choices"][0]["logprobs"]["text_offset"]
+
+    assert offsets(0, "Once", " upon") == [0, 4]
+    assert offsets(1, "A") == [0]  # each choice has its own text
+    assert offsets(0, " a", " time") == [9, 11]
+
+
+def test_an_omitted_max_tokens_is_marked_defaulted_and_a_given_one_is_not():
+    assert _completion().max_tokens_defaulted and _chat().max_tokens_defaulted
+    assert not _completion(max_tokens=8).max_tokens_defaulted
+    assert not _chat(max_completion_tokens=8).max_tokens_defaulted

@@ -15,7 +15,7 @@ import pytest
 
 from serve_app.config import AppConfig, ModelConfig, RouterConfig
 from serve_app.core import calls
-from serve_app.core.cache import cache_key, encode_value
+from serve_app.core.cache import bounded_reply, cache_key, encode_value
 from serve_app.core.cache import keys as cache_keys
 from serve_app.core.calls import (
     ClassifyCall,
@@ -87,8 +87,8 @@ class _Store:
         for name in ("get_many", "set_many", "semantic_get", "semantic_add", "drop_model", "stats"):
             setattr(self, name, Remote(getattr(self, f"_{name}")))
 
-    async def _get_many(self, keys):
-        return [self.entries.get(key) for key in keys]
+    async def _get_many(self, keys, max_reply_bytes=None):
+        return bounded_reply([self.entries.get(key) for key in keys], max_reply_bytes)
 
     async def _set_many(self, entries):
         for key, value, ttl_s in entries:

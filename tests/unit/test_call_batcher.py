@@ -161,3 +161,30 @@ def test_a_quiet_batcher_starts_one_task_per_batch():
         return created.count("CallBatcher._send_next"), batcher.batches
 
     assert asyncio.run(main()) == (3, 3)  # no idle second task per call
+
+
+def test_a_batch_stays_within_its_byte_budget_and_a_large_item_goes_alone():
+    async def scenario():
+        sent = []
+
+        async def send_many(items):
+            sent.append(list(items))
+            await asyncio.sleep(0.01)
+            return items
+
+        batcher = CallBatcher(send_many, timeout_s=5, max_in_flight=1, size_of=len, max_bytes=10)
+        results = await asyncio.gather(*(batcher.call(item) for item in ("aaaa", "bbbb", "cccc", "d" * 30, "ee")))
+        return results, sent
+
+    results, sent = asyncio.run(scenario())
+    assert results == ["aaaa", "bbbb", "cccc", "d" * 30, "ee"]
+    assert all(sum(map(len, batch)) <= 10 or len(batch) == 1 for batch in sent), sent
+    assert ["d" * 30] in sent
+
+
+def test_a_bounded_reply_leaves_out_what_does_not_fit_and_never_sends_nothing():
+    from serve_app.core.cache import NOT_SENT, bounded_reply
+
+    assert bounded_reply([b"aaaa", None, b"bbbb", b"cc"], 7) == [b"aaaa", None, NOT_SENT, b"cc"]
+    assert bounded_reply([b"x" * 20, b"y"], 7) == [None, b"y"]  # larger than any reply: a miss
+    assert bounded_reply([b"aaaa"], None) == [b"aaaa"]

@@ -226,9 +226,11 @@ def test_a_replica_silent_while_others_answer_is_forgotten():
     assert asyncio.run(scenario()) == 1
 
 
-def test_only_unary_tasks_gather():
-    assert gathers("embedding") and gathers("text-classification") and gathers("image-classification")
-    assert not gathers("text-generation")
+def test_only_calls_of_like_cost_gather():
+    assert gathers("embedding") and gathers("text-classification")
+    # A group answers when its slowest call ends: a long generation or a 64-megapixel
+    # image would hold back every small call beside it.
+    assert not gathers("text-generation") and not gathers("image-classification")
 
 
 # ---- the replica's side -------------------------------------------------------------
@@ -249,7 +251,9 @@ def test_infer_many_answers_each_call_as_infer_would_and_keeps_errors_apart():
     assert isinstance(good, EmbedResult) and good.revision == ms.revision
     assert isinstance(empty, InvalidRequestError) and empty.param == "input"
     assert last == alone
-    assert type(broken) is ServeAppError and broken.code == "internal_error" and "unlucky" in broken.message
+    # The exception's text stays in the replica's log: the client learns where to look.
+    assert type(broken) is ServeAppError and broken.code == "internal_error"
+    assert "unlucky" not in broken.message and "RuntimeError" not in broken.message and "log" in broken.message
     assert ms.ongoing_calls == 0
 
 
@@ -409,3 +413,71 @@ def test_a_replica_of_an_older_release_without_infer_many_gets_each_call_alone()
     assert handle.groups == [3] and len(handle.single) == 3
     assert [r.embeddings for r in results[:2]] == [[[1.0, 1.0]], [[1.0, 2.0]]]
     assert isinstance(results[2], InvalidRequestError)
+
+
+# ---- a replica whose engine died ------------------------------------------------------
+
+
+class _DeadEngineFirst:
+    """A backend whose first ``dead`` calls land on a replica whose engine died."""
+
+    def __init__(self, dead: int):
+        self.dead, self.calls = dead, 0
+
+    def infer(self, call):
+        from serve_app.core.errors import EngineRestartingError
+
+        self.calls += 1
+        failing = self.calls <= self.dead
+
+        async def answer():
+            if failing:
+                raise EngineRestartingError("the model's vLLM engine stopped")
+            return _answer(call)
+
+        task = asyncio.ensure_future(answer())
+        return task
+
+
+def test_a_call_that_met_a_dead_engine_is_retried_on_another_replica():
+    async def scenario(dead):
+        backend = _DeadEngineFirst(dead)
+        client = ModelClient({"m": backend}, RouterConfig(replica_retries=2))
+        try:
+            return await client.infer(_model(), _call("hello")), backend.calls, client.replica_retries["m"]
+        except ServeAppError as exc:
+            return exc, backend.calls, client.replica_retries["m"]
+
+    assert asyncio.run(scenario(1)) == (_answer(_call("hello")), 2, 1)
+    error, calls, retries = asyncio.run(scenario(5))  # every replica dead: a 503 the client may retry
+    assert (calls, retries, error.status_code, error.code) == (3, 2, 503, "engine_dead")
+    assert error.headers()["Retry-After"]
+
+
+def test_a_group_and_its_reply_stay_within_the_transports_byte_limit():
+    """A group's size is the sum of its calls: many large texts, or many inputs whose
+    answers are long vectors, would pass gRPC's message limit and fail together."""
+
+    async def scenario():
+        sizes = []
+
+        async def send_many(calls):
+            sizes.append([len(c.texts[0]) for c in calls])
+            await asyncio.sleep(0.01)
+            return CallOutcomes(outcomes=tuple(EmbedResult(embeddings=[[0.5] * 768 for _ in c.texts], prompt_tokens=1)
+                                               for c in calls), replica="r1")
+
+        gatherer = CallGatherer(send_many, GatherLimits.of(64, 64, 64, max_bytes=20_000), default_timeout_s=5.0,
+                                overloaded=lambda: OverloadedError("full", retry_after_s=1))
+        big = [_call("x" * 6_000) for _ in range(6)]  # 36 KB of text: at most three per group
+        answers = await asyncio.gather(*(gatherer.submit(c) for c in big))
+        text_groups = list(sizes)
+        sizes.clear()
+        # Now it knows an answer is 768 floats (~7 KB per input): at most two short calls per group.
+        await asyncio.gather(*(gatherer.submit(_call("y")) for _ in range(6)))
+        return answers, text_groups, list(sizes)
+
+    answers, text_groups, vector_groups = asyncio.run(scenario())
+    assert len(answers) == 6 and all(len(a.embeddings[0]) == 768 for a in answers)
+    assert all(sum(group) <= 20_000 for group in text_groups) and sum(map(len, text_groups)) == 6
+    assert all(len(group) * (9 * 768 + 16) <= 20_000 for group in vector_groups), vector_groups

@@ -35,7 +35,7 @@ from serve_app.core.calls import (
     StreamEnd,
     TokenLogprob,
 )
-from serve_app.core.cache import decode_value, encode_value
+from serve_app.core.cache import bounded_reply, decode_value, encode_value
 from serve_app.core.errors import (
     DeadlineExceededError,
     InvalidRequestError,
@@ -64,7 +64,8 @@ def test_chat_body_becomes_one_typed_call_with_the_model_defaults():
                                        temperature=0, stop="END", seed=3)
     call = protocol.chat_call(body, model)
     assert call == GenerateCall(max_tokens=7, sampling=SamplingParams(temperature=0, top_p=1.0, seed=3),
-                                messages=(ChatTurn("system", "be brief"), ChatTurn("user", "hi")), stop=("END",))
+                                messages=(ChatTurn("system", "be brief"), ChatTurn("user", "hi")), stop=("END",),
+                                max_tokens_defaulted=True)  # the model's default: fitted to the room the prompt leaves
     assert protocol.chat_call(body.model_copy(update={"max_completion_tokens": 5, "max_tokens": 9}), model).max_tokens == 5
 
 
@@ -361,10 +362,10 @@ class _StoreHandle:
         if self.fail:
             raise ConnectionError("store down")
 
-    async def _get_many(self, keys):
+    async def _get_many(self, keys, max_reply_bytes=None):  # bounded as CacheServer.get_many is
         self.batches.append(("get_many", len(keys)))
         await self._check()
-        return [self.entries.get(key) for key in keys]
+        return bounded_reply([self.entries.get(key) for key in keys], max_reply_bytes)
 
     async def _set_many(self, entries):
         self.batches.append(("set_many", len(entries)))
@@ -503,6 +504,50 @@ def test_concurrent_lookups_and_write_backs_share_store_calls_and_each_gets_its_
         assert [r.completions[0].text for r, _ in hits] == [f"answer to p{i}" for i in reversed(range(12))]
         assert {header for _, header in hits} == {"hit"} and backend.calls == 12
         assert store.batches == [("get_many", 11)]  # p0 came from this router's hot tier
+
+    asyncio.run(scenario())
+
+
+def test_large_answers_travel_in_store_calls_under_the_transports_limit(monkeypatch):
+    """Cached answers of 64 768-d vectors are 440 KB each: a batch of ten would pass gRPC's
+    4 MiB and fail whole. Lookups and write-backs are bounded in bytes; every request
+    still gets its own answer, from the model and then from the store."""
+    import serve_app.ingress.response_cache as response_cache
+
+    monkeypatch.setattr(response_cache, "handle_message_budget_bytes", lambda: 3000)
+
+    class _LongEcho(_EchoBackend):
+        def infer(self, call):
+            self.calls += 1
+            text = f"answer to {call.prompts[0]} " + "x" * 900  # about 1 KB encoded
+            return Pending(GenerateResult([Completion(text=text, finish_reason="stop", prompt_tokens=2,
+                                                      completion_tokens=1)], revision=_INFO.revision), self.delay_s)
+
+    async def scenario():
+        store, backend = _StoreHandle(), _LongEcho(delay_s=0.01)
+        calls = [GenerateCall(max_tokens=4, prompts=(f"p{i}",), sampling=SamplingParams(0)) for i in range(10)]
+        cache = _cache(backend, store)
+        await cache.answer(cache.models["m"], calls[0])
+        await asyncio.sleep(0.02)
+        await asyncio.gather(*(cache.answer(cache.models["m"], c) for c in calls[1:]))
+        await asyncio.sleep(0.05)  # the write-backs
+        writes = [n for method, n in store.batches if method == "set_many"]
+        assert sum(writes) == 10 and max(writes) <= 2, writes  # at most ~3000 bytes per call
+        fresh = _cache(backend, store)
+        await fresh.answer(fresh.models["m"], calls[0])
+        store.batches.clear()
+        hits = await asyncio.gather(*(fresh.answer(fresh.models["m"], c) for c in calls[1:]))
+        assert [r.completions[0].text.split(" x")[0] for r, _ in hits] == [f"answer to p{i}" for i in range(1, 10)]
+        assert {header for _, header in hits} == {"hit"} and backend.calls == 10
+        assert len(store.batches) > 1  # the nine hits came back over several replies
+        huge = _cache(backend, store)
+        huge.max_bytes = 100  # an answer no store call could carry: served, kept in the hot tier, not stored
+        before = len(store.entries)
+        result, _ = await huge.answer(huge.models["m"], GenerateCall(max_tokens=4, prompts=("big",),
+                                                                     sampling=SamplingParams(0)))
+        await asyncio.sleep(0.02)
+        assert result.completions[0].text.startswith("answer to big")
+        assert len(store.entries) == before and huge.too_large == 1
 
     asyncio.run(scenario())
 

@@ -16,8 +16,13 @@ from types import SimpleNamespace
 import pytest
 
 from serve_app.config import ModelConfig
-from serve_app.core.calls import ChatTurn, GenerateCall, StreamDelta, StreamEnd
-from serve_app.core.errors import ContextLengthExceededError, DeadlineExceededError, ModelUnavailableError
+from serve_app.core.calls import ChatTurn, EmbedCall, GenerateCall, StreamDelta, StreamEnd
+from serve_app.core.errors import (
+    ContextLengthExceededError,
+    DeadlineExceededError,
+    InvalidRequestError,
+    ModelUnavailableError,
+)
 from serve_app.replica.vllm_engine import (
     EngineStatsLogger,
     VLLMRuntime,
@@ -47,10 +52,13 @@ class FakeAsyncLLM:
     """vLLM's AsyncLLM as the engine sees it: generate() yields DELTA RequestOutputs
     (one new token per step for each of the n choices), and cancelling it aborts."""
 
-    def __init__(self, dead: bool = False):
+    def __init__(self, dead: bool = False, refuse: BaseException | None = None, finish_with: str = "length"):
         self.requests: list[tuple[list[int], object]] = []
         self.aborted: list[str] = []
         self.dead = dead
+        self.refuse = refuse  # raised as vLLM's input checks raise, before any output
+        self.finish_with = finish_with  # the last step's finish_reason
+        self.encode_threads: list[str] = []
 
     async def generate(self, prompt, sampling, request_id):
         ids = prompt["prompt_token_ids"]
@@ -59,6 +67,8 @@ class FakeAsyncLLM:
             from vllm.v1.engine.exceptions import EngineDeadError
 
             raise EngineDeadError()
+        if self.refuse is not None:
+            raise self.refuse
         try:
             if ids == [1, 1, 1]:  # EOS: a word, then EOS with no text, as vLLM reports it
                 for step, (text, token, finish) in enumerate((("yes", 5, None), ("", 2, "stop"))):
@@ -74,7 +84,7 @@ class FakeAsyncLLM:
                 yield SimpleNamespace(outputs=[
                     SimpleNamespace(index=j, text=f"<{ids[0]}.{j}.{step}>", token_ids=[step],
                                     logprobs=_logprobs(step, sampling.logprobs),
-                                    finish_reason="length" if last else None)
+                                    finish_reason=self.finish_with if last else None)
                     for j in range(sampling.n)
                 ])
                 await asyncio.sleep(0)
@@ -83,6 +93,13 @@ class FakeAsyncLLM:
         except asyncio.CancelledError:
             self.aborted.append(request_id)
             raise
+
+    async def encode(self, prompt, params, request_id):
+        import torch
+
+        if self.refuse is not None:
+            raise self.refuse
+        yield SimpleNamespace(outputs=SimpleNamespace(data=torch.tensor([float(len(prompt["prompt_token_ids"]))])))
 
     async def abort(self, request_ids):
         self.aborted.extend(request_ids)
@@ -292,3 +309,96 @@ def test_engine_stats_count_requests_finished_per_step():
     logger.record(scheduler, None)
     snapshot = logger.snapshot()
     assert snapshot["steps_finishing_requests"] == 2 and snapshot["requests_finished_per_step"] == 8
+
+
+# ---- what vLLM refuses, and generations it ends unfinished ------------------------------
+
+
+def _vllm_refusal(message: str) -> BaseException:
+    from vllm.exceptions import VLLMValidationError
+
+    return VLLMValidationError(message)
+
+
+@needs_vllm
+def test_a_schema_vllm_cannot_compile_is_a_400_naming_response_format():
+    ms = _server(FakeAsyncLLM(refuse=_vllm_refusal("Failed to transform json schema into a grammar: bad type")))
+    with pytest.raises(InvalidRequestError) as caught:
+        run(ms.infer(GenerateCall(max_tokens=2, messages=(ChatTurn(role="user", content="hi"),))))
+    assert caught.value.param == "response_format" and caught.value.status_code == 400
+
+
+@needs_vllm
+def test_a_request_vllm_refuses_is_a_400_naming_the_input():
+    ms = _server(FakeAsyncLLM(refuse=_vllm_refusal("The decoder prompt is too long")))
+    with pytest.raises(InvalidRequestError) as caught:
+        run(ms.infer(GenerateCall(max_tokens=2, prompts=("a b",))))
+    assert caught.value.param == "prompt" and "too long" in caught.value.message
+    embedder = _server(FakeAsyncLLM(refuse=_vllm_refusal("This model does not support pooling")), task="embedding")
+    with pytest.raises(InvalidRequestError) as caught:
+        run(embedder.infer(EmbedCall(texts=("a b",))))
+    assert caught.value.param == "input"
+
+
+@needs_vllm
+def test_our_own_value_errors_stay_internal_and_their_text_stays_in_the_log():
+    """A ValueError from our code (here: the fake engine, outside vLLM's package) is not a
+    client error; through infer_many, the client sees a message without its text."""
+    ms = _server(FakeAsyncLLM(refuse=ValueError("secret internal detail")))
+    with pytest.raises(ValueError):
+        run(ms.infer(GenerateCall(max_tokens=2, prompts=("a",))))
+    (outcome,) = run(ms.infer_many([GenerateCall(max_tokens=2, prompts=("a",))])).outcomes
+    assert outcome.status_code == 500 and "secret" not in outcome.message and "ValueError" not in outcome.message
+
+
+@needs_vllm
+@pytest.mark.parametrize("reason", ["abort", "error"])
+def test_a_generation_vllm_ends_unfinished_is_an_error_not_a_stop(reason):
+    ms = _server(FakeAsyncLLM(finish_with=reason))
+    with pytest.raises(ModelUnavailableError) as caught:
+        run(ms.infer(GenerateCall(max_tokens=3, prompts=("a b",))))
+    assert caught.value.code == "generation_unfinished" and caught.value.status_code == 503
+
+
+def test_empty_text_is_refused_before_vllm_sees_it():
+    runtime = _server(FakeAsyncLLM()).runtime
+    for text in ("", "   "):
+        with pytest.raises(InvalidRequestError) as caught:
+            runtime.tokenize(text)
+        assert caught.value.param == "input"
+        with pytest.raises(InvalidRequestError) as caught:
+            runtime.encode_prompt(text)
+        assert caught.value.param == "prompt"
+
+
+@needs_vllm
+def test_embedding_inputs_are_tokenized_off_the_event_loop():
+    import threading
+
+    ms = _server(FakeAsyncLLM(), task="embedding")
+    threads = []
+    tokenize = ms.runtime.tokenize
+    ms.runtime.tokenize = lambda text: threads.append(threading.current_thread().name) or tokenize(text)
+    result = run(ms.infer(EmbedCall(texts=("one two", "three"))))
+    assert result.embeddings == [[2.0], [1.0]]
+    assert threads and all(name.startswith("tokenize") for name in threads)
+    with pytest.raises(InvalidRequestError) as caught:
+        run(ms.infer(EmbedCall(texts=("fine", ""))))
+    assert caught.value.param == "input[1]"
+
+
+@needs_vllm
+def test_an_omitted_max_tokens_gets_the_room_the_prompt_leaves():
+    """vLLM's server caps an omitted max_tokens at what the context leaves; a 400 would name
+    a field the client never sent. An explicit max_tokens is still checked as given."""
+    ms = _server(FakeAsyncLLM())  # a context of 20 tokens
+    long_prompt = " ".join(["w"] * 18)
+    fitted = run(ms.infer(GenerateCall(max_tokens=5, prompts=(long_prompt,), max_tokens_defaulted=True)))
+    assert fitted.completions[0].completion_tokens == 2
+    assert ms.runtime.engine.requests[-1][1].max_tokens == 2
+    with pytest.raises(ContextLengthExceededError) as caught:
+        run(ms.infer(GenerateCall(max_tokens=5, prompts=(long_prompt,))))
+    assert caught.value.param == "max_tokens"
+    with pytest.raises(ContextLengthExceededError) as caught:
+        run(ms.infer(GenerateCall(max_tokens=5, prompts=(" ".join(["w"] * 20),), max_tokens_defaulted=True)))
+    assert caught.value.param == "prompt"

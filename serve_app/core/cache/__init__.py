@@ -33,9 +33,10 @@ from serve_app.core.cache.keys import (
 )
 from serve_app.core.cache.semantic import SemanticIndex
 from serve_app.core.cache.stores import CacheStore, MemoryStore, RedisStore, ResilientStore
-from serve_app.core.cache.values import decode_value, encode_value
+from serve_app.core.cache.values import NOT_SENT, bounded_reply, decode_value, encode_value
 
 __all__ = [
+    "NOT_SENT",
     "CacheStore",
     "CallBatcher",
     "MemoryStore",
@@ -43,6 +44,7 @@ __all__ = [
     "ResilientStore",
     "SemanticIndex",
     "SingleFlight",
+    "bounded_reply",
     "cache_key",
     "canonical_payload",
     "decode_value",

@@ -16,7 +16,7 @@ continuous batching.
 from __future__ import annotations
 
 import asyncio
-from typing import Awaitable, Callable, Generic, Sequence, TypeVar
+from typing import Awaitable, Callable, Generic, Optional, Sequence, TypeVar
 
 from serve_app.core.shared_tasks import SharedCallCancelled, start_shared
 
@@ -38,12 +38,17 @@ class CallBatcher(Generic[T, R]):
     """
 
     def __init__(self, send_many: Callable[[list[T]], Awaitable[Sequence[R]]], *, timeout_s: float,
-                 max_batch: int = 256, max_in_flight: int = 2):
+                 max_batch: int = 256, max_in_flight: int = 2, size_of: Optional[Callable[[T], int]] = None,
+                 max_bytes: Optional[int] = None):
         if max_batch < 1 or max_in_flight < 1 or timeout_s <= 0:
             raise ValueError("max_batch and max_in_flight must be >= 1 and timeout_s > 0")
         self._send_many = send_many
         self.timeout_s = timeout_s
         self.max_batch = max_batch
+        # With both: a batch also stays within max_bytes of items (as size_of counts
+        # them), below the transport's message limit; an item larger alone goes alone.
+        self._size_of = size_of
+        self.max_bytes = max_bytes
         self.max_in_flight = max_in_flight
         self._queued: list[tuple[T, asyncio.Future]] = []
         self._in_flight = 0
@@ -76,8 +81,20 @@ class CallBatcher(Generic[T, R]):
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
+    def _take_batch(self) -> list[tuple[T, asyncio.Future]]:
+        count = min(len(self._queued), self.max_batch)
+        if self._size_of is not None and self.max_bytes is not None:
+            used = 0
+            for index, (item, _) in enumerate(self._queued[:count]):
+                used += self._size_of(item)
+                if index and used > self.max_bytes:
+                    count = index
+                    break
+        batch, self._queued = self._queued[:count], self._queued[count:]
+        return batch
+
     async def _send_next(self) -> None:
-        batch, self._queued = self._queued[:self.max_batch], self._queued[self.max_batch:]
+        batch = self._take_batch()
         self._starting = False
         try:
             self._start_batches()  # what did not fit, into a second slot

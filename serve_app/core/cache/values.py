@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional, Sequence
 
 import msgpack
 import numpy as np
@@ -36,3 +36,28 @@ def encode_value(obj: Any) -> bytes:
 def decode_value(data: bytes) -> Any:
     """The inverse of :func:`encode_value`; raises ValueError-like errors on garbage."""
     return msgpack.unpackb(data, raw=False, strict_map_key=False)
+
+
+# In a reply of CacheServer.get_many, a value left out to keep the reply under the size
+# the caller gave (the transport's message limit): the caller asks for it again.
+NOT_SENT = False
+
+
+def bounded_reply(values: Sequence[Optional[bytes]], max_bytes: Optional[int]) -> list:
+    """``values`` as a reply of at most ``max_bytes`` of values: those past the budget
+    become :data:`NOT_SENT` (asked again in the next call), and one that could never fit
+    alone is a miss (None). The first value that fits always goes, so each call makes
+    progress."""
+    if max_bytes is None:
+        return list(values)
+    reply, used = [], 0
+    for value in values:
+        size = len(value) if value is not None else 0
+        if size > max_bytes:
+            reply.append(None)
+        elif used + size > max_bytes:
+            reply.append(NOT_SENT)
+        else:
+            reply.append(value)
+            used += size
+    return reply

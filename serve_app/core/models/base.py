@@ -33,6 +33,31 @@ def _max_input_tokens(config: Any, tokenizer: Any = None, extra: list[int | None
 
 
 
+def token_id_input(ids: Any, vocabulary: int | None, field: str) -> list[int]:
+    """An input given as token ids (OpenAI's list-of-ints form), checked against the
+    model's vocabulary and used as it is: no special tokens are added, as vLLM's own
+    server does with token inputs. The context is checked where text's is."""
+    ids = list(ids)
+    if not ids:
+        raise InvalidRequestError(f"{field} is an empty list of token ids; give at least one", param=field)
+    if any(not isinstance(i, int) or isinstance(i, bool) for i in ids):
+        raise InvalidRequestError(f"{field}: token ids must be integers", param=field)
+    if vocabulary is not None:
+        outside = next((i for i in ids if not 0 <= i < vocabulary), None)
+        if outside is not None:
+            raise InvalidRequestError(f"{field} has token id {outside}, but the model's vocabulary has "
+                                      f"{vocabulary} tokens (ids 0-{vocabulary - 1})", param=field)
+    return ids
+
+
+def vocabulary_size(tokenizer: Any) -> int | None:
+    """How many token ids the tokenizer knows (added tokens included), or None."""
+    try:
+        return len(tokenizer)
+    except TypeError:
+        return None
+
+
 class TaskRuntime:
     """Common attributes of every runtime."""
 
@@ -72,19 +97,26 @@ class _TextRuntime(TaskRuntime):
             pad = self.tokenizer.eos_token_id
         return int(pad) if pad is not None else 0
 
-    def tokenize(self, text: str) -> list[int]:
-        """Token ids with special tokens; rejects empty and over-long input."""
+    def tokenize(self, text: str | tuple[int, ...]) -> list[int]:
+        """Token ids with special tokens (or the ids given, as they are); rejects empty
+        and over-long input."""
+        if isinstance(text, (tuple, list)):
+            ids = token_id_input(text, vocabulary_size(self.tokenizer), self._param)
+            return self._within_window(ids)
         if not isinstance(text, str):
             raise InvalidRequestError(f"{self._param} must be a string, got {type(text).__name__}", param=self._param)
         if not text.strip():
             raise InvalidRequestError(f"{self._param} is empty; give some text", param=self._param)
         ids = self.tokenizer(text, add_special_tokens=True, truncation=False, verbose=False)["input_ids"]
+        return self._within_window(list(ids))
+
+    def _within_window(self, ids: list[int]) -> list[int]:
         if len(ids) > self.max_input_tokens:
             raise ContextLengthExceededError(
                 f"input has {len(ids)} tokens, model accepts at most {self.max_input_tokens}; shorten the text",
                 param=self._param,
             )
-        return list(ids)
+        return ids
 
     def _batch(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Right-pad rows to the longest row in this sub-batch; ids and attention mask."""

@@ -15,7 +15,7 @@ import torch
 
 from serve_app.core.calls import SamplingParams
 from serve_app.core.errors import ContextLengthExceededError, InvalidRequestError
-from serve_app.core.models.base import TaskRuntime
+from serve_app.core.models.base import TaskRuntime, token_id_input, vocabulary_size
 from serve_app.core.sampling import seeded_generator, top_p_filter
 from serve_app.core.streaming import TextStream
 
@@ -351,8 +351,10 @@ class GenerationRuntime(TaskRuntime):
             )
         return ids
 
-    def encode_prompt(self, prompt: str) -> list[int]:
-        """Token ids of a raw completion prompt."""
+    def encode_prompt(self, prompt: str | tuple[int, ...]) -> list[int]:
+        """Token ids of a raw completion prompt (or the ids given, as they are)."""
+        if isinstance(prompt, (tuple, list)):
+            return self._check_length(token_id_input(prompt, vocabulary_size(self.tokenizer), "prompt"), "prompt")
         if not isinstance(prompt, str):
             raise InvalidRequestError(f"prompt must be a string, got {type(prompt).__name__}", param="prompt")
         if not prompt:
