@@ -71,8 +71,10 @@ def smollm_gguf_file() -> Path | None:
     return files[0] if files else None
 
 
-def build_tiny_bert(path, task: str = "embedding", labels=("negative", "positive"), seed: int = 0) -> Path:
-    """A 2-layer BERT (hidden 32, max_position_embeddings 64) with MiniLM's WordPiece tokenizer.
+def build_tiny_bert(path, task: str = "embedding", labels=("negative", "positive"), seed: int = 0,
+                    **sizes) -> Path:
+    """A 2-layer BERT (hidden 32, max_position_embeddings 64) with MiniLM's WordPiece tokenizer;
+    ``sizes`` overrides BertConfig's (``hidden_size=768`` for vectors as wide as BERT-base's).
 
     task "embedding" saves a BertModel; "text-classification" a
     BertForSequenceClassification with ``id2label`` from ``labels``.
@@ -88,6 +90,7 @@ def build_tiny_bert(path, task: str = "embedding", labels=("negative", "positive
         vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
         max_position_embeddings=64, pad_token_id=0,
     )
+    kwargs.update(sizes)
     torch.manual_seed(seed)
     if task == "embedding":
         model = BertModel(BertConfig(**kwargs))

@@ -65,6 +65,9 @@ _COMPUTED = ("bypass", "coalesced")
 _WARN_EVERY_S = 30.0
 # Most lookups (or write-backs) one CacheServer call carries.
 _STORE_BATCH = 256
+# Most CacheServer calls one lookup makes when its value keeps being left out of full
+# replies (each call sends at least one value, so a burst drains); then it is a miss.
+_LOOKUP_ROUNDS = 8
 # A text the embedder refused as too long makes texts at least as long skip the semantic
 # lookup for this long (then one is tried again: the bound is a guess in characters).
 _TOO_LONG_MEMORY_S = 600.0
@@ -173,7 +176,7 @@ class ResponseCache:
         hot = self._hot_get(key)
         if hot is not None:
             return "hit", hot
-        raw = await self._batched("get", self._lookups, key)
+        raw = await self._lookup(key)
         stored = self._decode(raw, call, key=key, revision=revision)
         if stored is not None:
             self._remember(key, raw, stored)
@@ -435,21 +438,20 @@ class ResponseCache:
             self._store_failed(what, exc)
             return None
 
-    async def _get_many(self, keys: list[str]) -> list[Optional[bytes]]:
-        """Every key's value, in as many CacheServer calls as keep each reply under the
-        transport's limit (the CacheServer leaves out, as NOT_SENT, what did not fit)."""
-        values: list[Optional[bytes]] = [None] * len(keys)
-        pending = list(range(len(keys)))
-        while pending:
-            reply = await self.store.get_many.remote([keys[i] for i in pending], self.max_bytes)
-            left = [i for i, value in zip(pending, reply) if value is NOT_SENT]
-            for i, value in zip(pending, reply):
-                if value is not NOT_SENT:
-                    values[i] = value
-            if len(left) == len(pending):  # nothing came back: never loop on a server that sends nothing
-                break
-            pending = left
-        return values
+    async def _get_many(self, keys: list[str]) -> list:
+        """The keys' values in one CacheServer call, whose reply stays under the transport's
+        limit: what did not fit comes back NOT_SENT, and its lookup asks again (_lookup)."""
+        return await self.store.get_many.remote(keys, self.max_bytes)
+
+    async def _lookup(self, key: str) -> Optional[bytes]:
+        """One key's stored value (None: a miss). A value left out of a full reply is asked
+        for again in the next batch, each with its own time limit, so a burst of large
+        hits arrives over several calls instead of failing (or timing out) as one."""
+        for _ in range(_LOOKUP_ROUNDS):
+            raw = await self._batched("get", self._lookups, key)
+            if raw is not NOT_SENT:
+                return raw
+        return None
 
     async def _set_many(self, entries: list[tuple]) -> list[None]:
         return await self.store.set_many.remote(entries)
