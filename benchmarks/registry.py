@@ -38,7 +38,7 @@ ERROR_RATE_LIMIT = 0.02
 # Every module that defines scenarios; load_all() imports them in this order, which is
 # the order of `python -m benchmarks list` and of `--scenario all`.
 SCENARIO_MODULES = ("benchmarks.scenarios", "benchmarks.day", "benchmarks.generation_mixed", "benchmarks.precision",
-                    "benchmarks.engines", "benchmarks.startup")
+                    "benchmarks.engines", "benchmarks.startup", "benchmarks.hangups")
 
 
 @dataclass

@@ -432,7 +432,9 @@ class ModelServer:
 
     async def get_stats(self) -> dict:
         stats = {"replica": _replica_id(), "batching": self.batching.model_dump(), **self.observer.snapshot(),
-                 "startup": self.startup.snapshot()}
+                 # Calls in progress here now (an infer_many counts each of its calls): 0 once
+                 # the load is over, whatever its clients did (hung up, timed out).
+                 "ongoing_calls": self.ongoing_calls, "startup": self.startup.snapshot()}
         engine = self.engine.stats()
         if engine is not None:
             stats["engine"] = engine

@@ -108,8 +108,9 @@ class VLLMRuntime:
     labels: tuple = ()
 
     def tokenize(self, text: str | tuple[int, ...]) -> list[int]:
-        """An embedding input's token ids (a text's, or the ids given); refuses an empty one, as the transformers
-        runtime does (the tokenizer alone would give [CLS] [SEP], and a vector for nothing)."""
+        """An embedding input's token ids (a text's, or the ids given). An empty text is
+        refused, as the transformers runtime does: the tokenizer alone would give
+        [CLS] [SEP], and a vector for nothing."""
         return self._ids(text, "input")
 
     def encode_prompt(self, prompt: str | tuple[int, ...]) -> list[int]:
@@ -162,6 +163,7 @@ class VLLMRuntime:
             field = "response_format"
         return InvalidRequestError(f"the model refused the request: {message}", param=field,
                                    code="invalid_request")
+
     def close(self) -> None:
         self.engine.shutdown()
 

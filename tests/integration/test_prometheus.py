@@ -152,8 +152,8 @@ def _is_number(sample: dict) -> bool:
 def prometheus(metrics_url, tmp_path_factory):
     """Base URL of a Prometheus process of this test's own, scraping Ray's endpoint."""
     if PROMETHEUS is None:
-        pytest.fail("no prometheus binary although this machine has apt-get and dpkg-deb: run `make prometheus-server`, "
-                    "which unpacks Debian's package into .venv/prometheus")
+        pytest.fail("no prometheus binary although this machine has apt-get and dpkg-deb: run "
+                    "`make prometheus-server`, which unpacks Debian's package into .venv/prometheus")
     work = tmp_path_factory.mktemp("prometheus")
     target = urlsplit(metrics_url)
     config = {

@@ -20,8 +20,8 @@ class SingleFlight:
     """Identical requests in flight at once share one call.
 
     The first caller for a key starts ``fn()`` in a task detached from every caller
-    (core.shared_tasks: no caller's request context, so Serve cancels it with no one
-    caller's request); callers that arrive while
+    (core.shared_tasks: it carries no caller's request context, so no one caller's
+    cancellation reaches it); callers that arrive while
     it runs await the same task (``shared=True``) and get the same result object (do not
     mutate it) or the same exception. Every caller awaits through ``asyncio.shield``, so a
     caller that is cancelled (its client went away) leaves the call running for the
