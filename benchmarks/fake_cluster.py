@@ -30,7 +30,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -42,6 +41,7 @@ from typing import Any, Optional
 
 import yaml
 
+from benchmarks.harness.processes import free_ports
 from serve_app.config import model_deployment_name
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -169,26 +169,6 @@ def serve_config(http_port: int, profile: dict) -> dict:
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def free_ports(n: int) -> list[int]:
-    """n distinct free ports (held open together so the OS does not hand one out twice)."""
-    socks = []
-    try:
-        for _ in range(n):
-            sock = socket.socket()
-            sock.bind(("127.0.0.1", 0))
-            socks.append(sock)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def http_json(method: str, url: str, body: Optional[dict] = None, timeout: float = 10.0) -> Any:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,8 @@ from pathlib import Path
 from typing import Optional
 
 import httpx
+
+from benchmarks.harness.processes import free_port
 
 # serve_app precision -> vLLM dtype
 VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -72,7 +73,7 @@ class EngineSettings:
 
 
 def vllm_cli_flags(engine_args: dict) -> list[str]:
-    """vLLM engine arguments (a dict such as ``serve_app.replica.vllm_engine.engine_args``
+    """vLLM engine arguments (a dict such as ``serve_app.replica.vllm.runtime.engine_args``
     gives) as the api_server's command-line flags: ``model`` left out (the server takes
     it as ``--model``), None left at vLLM's default, dicts and lists as JSON, booleans as
     ``--x`` / ``--no-x``. Some of vLLM's switches have no ``--no-x`` (``--disable-log-stats``):
@@ -107,11 +108,6 @@ def _vllm_parser():
     return AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 @dataclass
 class VLLMServer:
@@ -130,7 +126,7 @@ class VLLMServer:
     engine_flags: Optional[list[str]] = None
     # Set in the server's environment on top of ours (e.g. its cache directories).
     env: dict[str, str] = field(default_factory=dict)
-    port: int = field(default_factory=_free_port)
+    port: int = field(default_factory=free_port)
     process: Optional[subprocess.Popen] = None
 
     @property

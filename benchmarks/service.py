@@ -4,21 +4,17 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 from pathlib import Path
 from typing import Any, Optional
 from urllib.parse import urlsplit
 
 import yaml
 
+from benchmarks.harness.processes import free_port
+
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def load_application(config_path: str | Path) -> dict:
@@ -79,7 +75,7 @@ class BenchCluster:
         else:
             # Logical CPUs only place replicas; torch threads decide real core use.
             ray.init(num_cpus=max(8, (os.cpu_count() or 2) * 4), include_dashboard=False, log_to_driver=False)
-        self.port = _free_port()
+        self.port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": self.port})
         self.deployed: list[str] = []
         self.owns_ray = True

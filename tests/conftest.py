@@ -19,7 +19,7 @@ _TESTS_DIR = str(Path(__file__).resolve().parent)
 if _TESTS_DIR not in sys.path:
     sys.path.insert(0, _TESTS_DIR)
 
-from processes import free_port  # noqa: E402
+from benchmarks.harness.processes import free_ports  # noqa: E402
 from serve_app.ray_env import apply_ray_env  # noqa: E402
 
 # Ray Serve as `make serve` runs it: the high-throughput ingress (HAProxy) unless
@@ -28,10 +28,13 @@ from serve_app.ray_env import apply_ray_env  # noqa: E402
 apply_ray_env()
 # HAProxy's exporter, its stats page and Serve's fallback proxy bind fixed ports on all
 # interfaces (9101, 8404, 8500, 9500): a second Ray on this machine (a `make serve`, another
-# test session) would make HAProxy exit at start. The session takes free ones instead.
-for _port_variable in ("RAY_SERVE_HAPROXY_METRICS_PORT", "RAY_SERVE_HAPROXY_STATS_PORT",
-                       "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT", "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT"):
-    os.environ.setdefault(_port_variable, str(free_port()))
+# test session) would make HAProxy exit at start. The session takes free ones instead,
+# from outside the ports the kernel and Ray hand out, which Ray's own processes could take
+# before HAProxy binds them.
+_PORT_VARIABLES = ("RAY_SERVE_HAPROXY_METRICS_PORT", "RAY_SERVE_HAPROXY_STATS_PORT",
+                   "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT", "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT")
+for _port_variable, _port in zip(_PORT_VARIABLES, free_ports(len(_PORT_VARIABLES))):
+    os.environ.setdefault(_port_variable, str(_port))
 
 import pytest  # noqa: E402
 

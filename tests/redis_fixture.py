@@ -21,7 +21,7 @@ import time
 import uuid
 
 import pytest
-from processes import free_port, stop_process
+from benchmarks.harness.processes import free_port, stop_process
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 

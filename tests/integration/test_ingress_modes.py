@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from processes import free_port
+from benchmarks.harness.processes import free_port
 
 from serve_app.ray_env import high_throughput_active
 

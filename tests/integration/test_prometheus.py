@@ -26,7 +26,7 @@ import pytest
 import yaml
 
 from dashboard_panels import DASHBOARD, all_panels
-from processes import free_port, stop_process
+from benchmarks.harness.processes import free_port, stop_process
 from serving_apps import profiled_app
 
 pytestmark = pytest.mark.integration

@@ -1,0 +1,1 @@
+"""What every benchmark and test harness shares: ports, processes, HTTP."""
