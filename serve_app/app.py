@@ -83,7 +83,7 @@ def _model_deployment(model: ModelConfig, config: AppConfig) -> Application:
         ray_actor_options=actor_options,
         **placement,
         # Batching knobs travel as user_config. Overriding them in the Serve config
-        # file's `deployments:` section (see README) reaches live replicas through
+        # file's `deployments:` section (see docs/configuration.md) reaches live replicas through
         # reconfigure(), without restarting them or reloading the model.
         user_config=model.batching.model_dump(),
         # Loading a model can take minutes on a cold node; keep Serve from declaring

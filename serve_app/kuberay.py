@@ -30,7 +30,7 @@ RAY_VERSION = "2.60.0"
 # Built from deployments/kuberay/Dockerfile (rayproject/ray GPU image + vLLM + serve_app);
 # push it to your registry and set it here, or pass --image.
 IMAGE = "serve-app:0.1.0"
-SECRET = "serve-app"  # the Secret with the keys and addresses below (see README, Kubernetes)
+SECRET = "serve-app"  # the Secret with the keys and addresses below (see docs/deploying.md)
 
 _HEADER = """\
 # KubeRay RayService for serve_app's GPU application. Rendered by

@@ -10,7 +10,7 @@ before Ray starts: ``python -m serve_app.launch`` (``make serve``) sets them bef
   to an ingress replica's own HTTP server, instead of through Ray's Python proxy actor
   and an actor call. Measured on a 2-core machine, that hop capped a request path at
   about 140 requests/s; with it gone the same bf16 embedding deployment went from 64 to
-  98 embeddings/s (README, High-throughput mode).
+  98 embeddings/s (docs/benchmarks.md).
 - ``RAY_SERVE_THROUGHPUT_OPTIMIZED=1``: Ray's bundle of fast-path defaults (gRPC
   between deployments, user code on the replica's event loop, buffered request logs).
 

@@ -7,14 +7,14 @@ instead of at the first request.
 Sections: ``model`` (a served model with its batching, resources and generation
 limits), ``vllm`` (vLLM engine options), ``cache`` (the response cache), ``scaling`` (load profiles), ``ingress``
 (router and API keys), ``app`` (the whole ``args:`` and its parser), ``reference``
-(README's config reference).
+(the config reference of docs/configuration.md).
 """
 
 from serve_app.config.app import AppConfig, ConfigError, model_deployment_name, parse_app_config
 from serve_app.config.cache import CacheConfig, ModelCacheConfig, SemanticCacheConfig
 from serve_app.config.ingress import AuthConfig, RouterConfig
 from serve_app.config.model import BatchingConfig, GenerationConfig, ModelConfig, Precision, ResourcesConfig, Task
-from serve_app.config.reference import reference_markdown, write_readme_reference
+from serve_app.config.reference import reference_markdown, write_reference
 from serve_app.config.scaling import LoadProfileConfig, SimulatedClockConfig, WindowConfig
 from serve_app.config.vllm import VLLMConfig
 
@@ -39,5 +39,5 @@ __all__ = [
     "model_deployment_name",
     "parse_app_config",
     "reference_markdown",
-    "write_readme_reference",
+    "write_reference",
 ]

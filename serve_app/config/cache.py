@@ -23,7 +23,7 @@ class SemanticCacheConfig(_Section):
         le=1.0,
         description="Cosine similarity of the last user turns at or above which a stored answer is a "
         "candidate; it is reused only if the two turns also have the same numbers, negations and content "
-        "words in the same order (see README, Cache).",
+        "words in the same order (see docs/cache.md).",
     )
     embed_timeout_s: float = Field(
         1.0,

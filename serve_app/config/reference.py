@@ -1,4 +1,4 @@
-"""The config reference in README, generated from the field docs (``python -m serve_app.config``)."""
+"""The config reference of docs/configuration.md, generated from the field docs (``python -m serve_app.config``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from serve_app.config.vllm import VLLMConfig
 
 
 def reference_markdown() -> str:
-    """The config reference for README: one table per section, from the field docs."""
+    """The config reference: one table per section, from the field docs."""
     sections = [
         ("args", AppConfig),
         ("args.router", RouterConfig),
@@ -44,15 +44,15 @@ def reference_markdown() -> str:
     return "\n".join(out)
 
 
-_README_START, _README_END = "<!-- config-reference:start -->\n", "\n<!-- config-reference:end -->"
+_START, _END = "<!-- config-reference:start -->\n", "\n<!-- config-reference:end -->"
 
 
-def write_readme_reference(path: str) -> None:
-    """Replace the config reference between README's markers with the current one."""
+def write_reference(path: str) -> None:
+    """Replace the config reference between the page's markers with the current one."""
     from pathlib import Path
 
-    readme = Path(path)
-    text = readme.read_text()
-    start = text.index(_README_START) + len(_README_START)
-    end = text.index(_README_END)
-    readme.write_text(text[:start] + reference_markdown().rstrip() + text[end:])
+    page = Path(path)
+    text = page.read_text()
+    start = text.index(_START) + len(_START)
+    end = text.index(_END)
+    page.write_text(text[:start] + reference_markdown().rstrip() + text[end:])

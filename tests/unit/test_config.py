@@ -113,12 +113,12 @@ def test_bad_config_names_path_value_and_fix(args, expected):
         assert fragment in str(info.value), str(info.value)
 
 
-def test_readme_config_reference_is_current():
+def test_docs_config_reference_is_current():
     from serve_app.config import reference_markdown
 
-    readme = (ROOT / "README.md").read_text()
+    page = (ROOT / "docs" / "configuration.md").read_text()
     start, end = "<!-- config-reference:start -->\n", "\n<!-- config-reference:end -->"
-    current = readme[readme.index(start) + len(start) : readme.index(end)]
+    current = page[page.index(start) + len(start) : page.index(end)]
     assert current.strip() == reference_markdown().strip(), (
-        "README's config reference is stale: run `python -m serve_app.config --write-readme`"
+        "docs/configuration.md's config reference is stale: run `python -m serve_app.config --write`"
     )

@@ -1,6 +1,6 @@
 """Response caching: canonical keys, stores, a semantic index and single-flight.
 
-The router asks the cache before it asks a model (see DESIGN.md):
+The router asks the cache before it asks a model (docs/cache.md tells it for users):
 
 1. :func:`cache_key` turns (model, revision, task, input, params) into a key. Texts enter
    it exactly as sent (:func:`canonical_payload`): a Unicode or whitespace variant can
