@@ -1,34 +1,37 @@
 """The HTTP ingress: an OpenAI-compatible API in front of the model deployments.
 
-This module only wires the parts together and declares the endpoints; each endpoint
-reads as: find the model, turn the body into a typed call (``protocol``), answer it
-through the response cache (``response_cache``, which calls the model through
-``model_client``), shape the OpenAI response (``protocol``). Errors raised anywhere
-become OpenAI error bodies in ``http_errors``, the one error boundary.
+This module only wires the parts together and declares the routes. Each OpenAI
+endpoint's answer is ``create`` in its module of ``ingress.openai``: find the model,
+turn the body into a typed call, answer it through the response cache
+(``response_cache``, which calls the model through ``model_client``), shape the OpenAI
+response. Errors raised anywhere become OpenAI error bodies in ``http_errors``, the one
+error boundary.
 """
 
 # No `from __future__ import annotations`: Serve's ingress re-signs these methods and
 # FastAPI then cannot resolve string annotations, turning bodies into query params.
-import json
 import logging
 import time
-from typing import Any, AsyncIterator, Callable, Optional
+from typing import Optional
 
 from fastapi import FastAPI, Request, Response
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from serve_app.config import AppConfig, ModelConfig
 from serve_app.core.auth import ApiKeys
-from serve_app.core.calls import GenerateCall, GenerateResult, StreamDelta
 from serve_app.core.errors import InvalidRequestError, ModelNotFoundError, ServeAppError
-from serve_app.ingress import http_errors, protocol
+from serve_app.ingress import http_errors
 from serve_app.ingress.middleware import IngressGuard, IngressState, RequestObserver, ingress_state
 from serve_app.ingress.model_client import ModelClient, ModelServerBackend
-from serve_app.ingress.notes import note
-from serve_app.ingress.protocol import ChatCompletionBody, ClassifyBody, CompletionBody, EmbeddingBody
+from serve_app.ingress.openai import chat, classify, completions, embeddings
+from serve_app.ingress.openai.chat import ChatCompletionBody
+from serve_app.ingress.openai.classify import ClassifyBody
+from serve_app.ingress.openai.completions import CompletionBody
+from serve_app.ingress.openai.embeddings import EmbeddingBody
 from serve_app.ingress.response_cache import ResponseCache
+from serve_app.ingress.serving import Serving
 from serve_app.ingress.status import ServiceStatus
 from serve_app.serve_logs import start_log_flusher
 
@@ -39,11 +42,6 @@ api = FastAPI(title="serve_app", description="Hugging Face models on Ray Serve, 
 api.add_middleware(IngressGuard)
 api.add_middleware(RequestObserver)
 http_errors.install(api)
-
-
-def _clip(value: Any, limit: int = 500) -> str:
-    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str)
-    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} chars)"
 
 
 @serve.deployment
@@ -72,6 +70,7 @@ class Router:
             router)
         self.cache = ResponseCache(self.config.cache, cache_handle, self.models, self.client)
         self.status = ServiceStatus(self.models, self.client, self.cache)
+        self.serving = Serving(self.config, self.client, self.cache)
         self.created = int(time.time())
 
     def __serve_build_asgi_app__(self) -> FastAPI:
@@ -79,65 +78,6 @@ class Router:
         # the middleware reads the replica's state from that copy (see ingress.middleware).
         self.app.state.ingress = self.state
         return self.app
-
-    def _model(self, name: str, task: str, endpoint: str) -> ModelConfig:
-        model = self.models.get(name)
-        if model is None:
-            known = ", ".join(sorted(self.models))
-            raise ModelNotFoundError(f"model {name!r} does not exist; this service serves: {known}")
-        note(model=name)
-        if model.task != task:
-            raise InvalidRequestError(
-                f"model {name!r} is a {model.task} model; {endpoint} needs a {task} model",
-                param="model",
-                code="wrong_task",
-            )
-        return model
-
-    def _log_payload(self, model: ModelConfig, inputs: Any, outputs: Any = None) -> None:
-        """Prompts and answers reach the log only when router.log_payloads asks for it."""
-        if self.config.router.log_payloads:
-            logger.info("payload model=%s input=%s output=%s", model.name, _clip(inputs), _clip(outputs))
-
-    async def _event_stream(self, model: ModelConfig, call: GenerateCall, chunks: protocol.ChunkFormat,
-                            include_usage: bool, deadline: float) -> StreamingResponse:
-        """Server-sent events in OpenAI's chunk format for a streamed generation.
-
-        The first model event is awaited here, so anything that fails before the model
-        produced a token (a bad prompt, a full queue, an unavailable model) is still a
-        plain HTTP error; a failure after it can only be reported in the stream.
-        """
-        events = self.client.stream(model, call, deadline=deadline)
-        first = await events.__anext__()
-
-        async def sse() -> AsyncIterator[bytes]:
-            prompt_tokens = completion_tokens = 0
-            texts: dict[int, list[str]] = {}
-            try:
-                for opening in chunks.opening(call.n):
-                    yield protocol.sse(opening)
-                event = first
-                while event is not None:
-                    if isinstance(event, StreamDelta):
-                        texts.setdefault(event.index, []).append(event.text)
-                        yield protocol.sse(chunks.text(event.index, event.text, event.logprobs))
-                    else:  # a row finished
-                        prompt_tokens += event.prompt_tokens
-                        completion_tokens += event.completion_tokens
-                        yield protocol.sse(chunks.finish(event.index, event.finish_reason))
-                    event = await anext(events, None)
-                if include_usage:
-                    yield protocol.sse(chunks.usage(prompt_tokens, completion_tokens))
-                yield protocol.SSE_DONE
-                self._log_payload(model, call.cache_input(), ["".join(texts.get(i, ())) for i in sorted(texts)])
-            except Exception as exc:  # headers are gone: the error travels as the last event
-                yield protocol.sse(http_errors.stream_error(exc, model.name).to_body())
-            finally:
-                await events.aclose()
-
-        # Streams skip the response cache: x-cache says "miss" as for any computed answer.
-        return StreamingResponse(sse(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "x-cache": "miss"})
 
     # ---- endpoints ---------------------------------------------------------------
 
@@ -178,48 +118,16 @@ class Router:
 
     @api.post("/v1/embeddings")
     async def embeddings(self, body: EmbeddingBody, response: Response) -> dict:
-        # Each endpoint takes its deadline first: every call the request makes shares it.
-        deadline = self.client.deadline()
-        model = self._model(body.model, "embedding", "/v1/embeddings")
-        call = protocol.embed_call(body, model)
-        result, response.headers["x-cache"] = await self.cache.answer(model, call, deadline=deadline)
-        self._log_payload(model, call.cache_input())
-        return protocol.embeddings_response(result, model.name, body.encoding_format)
+        return await embeddings.create(self.serving, body, response)
 
     @api.post("/v1/completions")
     async def completions(self, body: CompletionBody, response: Response):
-        deadline = self.client.deadline()
-        model = self._model(body.model, "text-generation", "/v1/completions")
-        call = protocol.completion_call(body, model)
-        return await self._generation(model, call, body, response, protocol.ChunkFormat, protocol.completion_response,
-                                      deadline)
+        return await completions.create(self.serving, body, response)
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionBody, response: Response):
-        deadline = self.client.deadline()
-        model = self._model(body.model, "text-generation", "/v1/chat/completions")
-        call = protocol.chat_call(body, model)
-        return await self._generation(model, call, body, response, protocol.ChatChunkFormat, protocol.chat_response,
-                                      deadline)
-
-    async def _generation(self, model: ModelConfig, call: GenerateCall, body: protocol.SamplingBody,
-                          response: Response, chunks: type, respond: Callable[[GenerateResult, str], dict],
-                          deadline: float):
-        """A completion or chat answer, streamed as events or whole (through the cache)."""
-        if body.stream:
-            return await self._event_stream(model, call, chunks(model.name), body.include_usage, deadline)
-        result, response.headers["x-cache"] = await self.cache.answer(model, call, deadline=deadline)
-        self._log_payload(model, call.cache_input(), [c.text for c in result.completions])
-        return respond(result, model.name)
+        return await chat.create(self.serving, body, response)
 
     @api.post("/v1/classify")
     async def classify(self, body: ClassifyBody, response: Response) -> dict:
-        deadline = self.client.deadline()
-        task = body.task
-        endpoint = "/v1/classify with 'input'" if task == "text-classification" else "/v1/classify with 'image'"
-        model = self._model(body.model, task, endpoint)
-        call = protocol.classify_call(body, model)
-        result, response.headers["x-cache"] = await self.cache.answer(model, call, deadline=deadline)
-        logged = list(call.texts) if call.texts is not None else f"{len(call.images)} image(s)"
-        self._log_payload(model, logged, result.rankings)
-        return protocol.classify_response(result, model.name)
+        return await classify.create(self.serving, body, response)

@@ -30,7 +30,8 @@ from serve_app.core.calls import ChatTurn, ClassifyCall, EmbedCall, GenerateCall
 from serve_app.core.errors import InvalidRequestError
 from serve_app.core.models import sources
 from serve_app.core.models.sources import model_revision
-from serve_app.ingress import http_errors, protocol
+from serve_app.ingress import http_errors
+from serve_app.ingress.openai import chat as chat_api, classify as classify_api, completions as completions_api, embeddings as embeddings_api
 from serve_app.ingress import status as status_module
 from serve_app.ingress.status import ServiceStatus
 from serve_app.replica.engines import refuse_what_only_vllm_does
@@ -46,12 +47,12 @@ def _model(task: str = "text-generation", **extra) -> ModelConfig:
 
 
 def _chat(**fields) -> GenerateCall:
-    return protocol.chat_call(protocol.ChatCompletionBody.model_validate({"model": "m", "messages": HI, **fields}),
+    return chat_api.chat_call(chat_api.ChatCompletionBody.model_validate({"model": "m", "messages": HI, **fields}),
                               _model())
 
 
 def _completion(**fields) -> GenerateCall:
-    return protocol.completion_call(protocol.CompletionBody.model_validate({"model": "m", "prompt": "p", **fields}),
+    return completions_api.completion_call(completions_api.CompletionBody.model_validate({"model": "m", "prompt": "p", **fields}),
                                     _model())
 
 
@@ -78,17 +79,17 @@ def test_explicit_nulls_are_absent_fields():
                                             "tool_choice", "functions", "function_call"), None)}
     assert _chat(**chat_nulls) == _chat()
     assert _completion(**nulls, echo=None, suffix=None, best_of=None) == _completion()
-    body = protocol.ChatCompletionBody.model_validate({"model": "m", "messages": HI, **chat_nulls})
+    body = chat_api.ChatCompletionBody.model_validate({"model": "m", "messages": HI, **chat_nulls})
     assert (body.stream, body.include_usage, body.temperature, body.n) == (False, False, 1.0, 1)
     # Nested objects too.
-    assert protocol.ChatCompletionBody.model_validate(
+    assert chat_api.ChatCompletionBody.model_validate(
         {"model": "m", "messages": HI, "stream": True, "stream_options": {"include_usage": None}}).include_usage is False
     assert _chat(response_format={"type": "json_schema", "json_schema": {"name": None, "schema": {}, "strict": None}}
                  ).response_format.schema == "{}"
-    embed = protocol.EmbeddingBody.model_validate({"model": "m", "input": "x", "encoding_format": None,
+    embed = embeddings_api.EmbeddingBody.model_validate({"model": "m", "input": "x", "encoding_format": None,
                                                    "dimensions": None})
     assert embed.encoding_format == "float"
-    classify = protocol.ClassifyBody.model_validate({"model": "m", "input": "x", "image": None, "top_k": None})
+    classify = classify_api.ClassifyBody.model_validate({"model": "m", "input": "x", "image": None, "top_k": None})
     assert classify.top_k == 1 and classify.task == "text-classification"
 
 
@@ -206,8 +207,8 @@ def test_a_seed_beyond_what_the_generators_take_is_a_400_naming_seed():
     http_errors.install(app)
 
     @app.post("/v1/chat/completions")
-    async def chat(body: protocol.ChatCompletionBody) -> dict:
-        return {"seed": protocol.chat_call(body, _model()).sampling.seed}
+    async def chat(body: chat_api.ChatCompletionBody) -> dict:
+        return {"seed": chat_api.chat_call(body, _model()).sampling.seed}
 
     client = TestClient(app, raise_server_exceptions=False)
     for seed in (2**64, -(2**63) - 1, 10**30):
@@ -251,12 +252,12 @@ def _b64(raw: bytes) -> str:
 def test_the_router_caps_the_declared_pixels_of_a_request_before_any_decoding():
     model = _model("image-classification")
     side = 6000  # 36 Mpx each: one fits, two exceed the request's budget
-    one = protocol.classify_call(protocol.ClassifyBody(model="m", image=_b64(_png_header(side, side))), model)
+    one = classify_api.classify_call(classify_api.ClassifyBody(model="m", image=_b64(_png_header(side, side))), model)
     assert one.images == (_png_header(side, side),)
     with pytest.raises(InvalidRequestError) as caught:
-        protocol.classify_call(protocol.ClassifyBody(model="m", image=[_b64(_image("PNG"))] + [
+        classify_api.classify_call(classify_api.ClassifyBody(model="m", image=[_b64(_image("PNG"))] + [
             _b64(_png_header(side, side))] * 2), model)
-    assert caught.value.param == "image[2]" and str(protocol.MAX_REQUEST_IMAGE_PIXELS) in caught.value.message
+    assert caught.value.param == "image[2]" and str(classify_api.MAX_REQUEST_IMAGE_PIXELS) in caught.value.message
 
 
 @pytest.fixture(scope="module")
@@ -494,8 +495,8 @@ def test_the_draft_keeps_the_side_a_crop_pct_processor_resizes_to_first():
 # ---- token-id inputs (OpenAI's list-of-ints form) ---------------------------------------
 
 
-def _embed(value) -> "protocol.EmbedCall":
-    return protocol.embed_call(protocol.EmbeddingBody.model_validate({"model": "m", "input": value}),
+def _embed(value) -> EmbedCall:
+    return embeddings_api.embed_call(embeddings_api.EmbeddingBody.model_validate({"model": "m", "input": value}),
                                _model("embedding"))
 
 
@@ -547,7 +548,7 @@ def test_token_ids_are_checked_against_the_vocabulary_and_used_as_given(llm, tin
 def test_streamed_completion_logprob_offsets_continue_across_chunks():
     from serve_app.core.calls import TokenLogprob
 
-    chunks = protocol.ChunkFormat("m")
+    chunks = completions_api.CompletionChunks("m")
 
     def offsets(index, *tokens):
         logprobs = tuple(TokenLogprob(token=t, logprob=-0.1, top=()) for t in tokens)

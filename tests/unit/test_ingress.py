@@ -42,7 +42,8 @@ from serve_app.core.errors import (
     ModelUnavailableError,
     OverloadedError,
 )
-from serve_app.ingress import http_errors, protocol
+from serve_app.ingress import http_errors
+from serve_app.ingress.openai import chat as chat_api, classify as classify_api, completions as completions_api, embeddings as embeddings_api, streaming
 from serve_app.ingress.middleware import IngressGuard, IngressState, RequestObserver, ingress_state
 from serve_app.ingress.model_client import ModelClient
 from serve_app.ingress.notes import note
@@ -59,14 +60,14 @@ def _model(task: str = "text-generation", name: str = "m", **extra) -> ModelConf
 
 def test_chat_body_becomes_one_typed_call_with_the_model_defaults():
     model = _model(generation={"default_max_tokens": 7})
-    body = protocol.ChatCompletionBody(model="m", messages=[{"role": "developer", "content": "be brief"},
+    body = chat_api.ChatCompletionBody(model="m", messages=[{"role": "developer", "content": "be brief"},
                                                             {"role": "user", "content": [{"type": "text", "text": "hi"}]}],
                                        temperature=0, stop="END", seed=3)
-    call = protocol.chat_call(body, model)
+    call = chat_api.chat_call(body, model)
     assert call == GenerateCall(max_tokens=7, sampling=SamplingParams(temperature=0, top_p=1.0, seed=3),
                                 messages=(ChatTurn("system", "be brief"), ChatTurn("user", "hi")), stop=("END",),
                                 max_tokens_defaulted=True)  # the model's default: fitted to the room the prompt leaves
-    assert protocol.chat_call(body.model_copy(update={"max_completion_tokens": 5, "max_tokens": 9}), model).max_tokens == 5
+    assert chat_api.chat_call(body.model_copy(update={"max_completion_tokens": 5, "max_tokens": 9}), model).max_tokens == 5
 
 
 @pytest.mark.parametrize("update, param", [
@@ -82,17 +83,17 @@ def test_chat_body_becomes_one_typed_call_with_the_model_defaults():
     ({"prompt": ["p"] * 257}, "prompt"),
 ])
 def test_completion_limits_are_checked_at_the_router_naming_the_field(update, param):
-    body = protocol.CompletionBody.model_validate({"model": "m", "prompt": "hello", **update})
+    body = completions_api.CompletionBody.model_validate({"model": "m", "prompt": "hello", **update})
     with pytest.raises(InvalidRequestError) as caught:
-        protocol.completion_call(body, _model())
+        completions_api.completion_call(body, _model())
     assert caught.value.param == param
 
 
 def test_what_only_vllm_does_travels_in_the_call_and_changes_its_cache_key():
     model = _model()
-    plain = protocol.chat_call(protocol.ChatCompletionBody.model_validate(
+    plain = chat_api.chat_call(chat_api.ChatCompletionBody.model_validate(
         {"model": "m", "messages": [{"role": "user", "content": "hi"}]}), model)
-    asked = protocol.chat_call(protocol.ChatCompletionBody.model_validate({
+    asked = chat_api.chat_call(chat_api.ChatCompletionBody.model_validate({
         "model": "m", "messages": [{"role": "user", "content": "hi"}], "n": 3, "logprobs": True, "top_logprobs": 2,
         "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}},
     }), model)
@@ -103,10 +104,10 @@ def test_what_only_vllm_does_travels_in_the_call_and_changes_its_cache_key():
                          ("tools", '[{"type":"function"}]')):
         varied = dataclasses.replace(plain, **{field: value})
         assert varied.cache_params() != plain.cache_params(), field
-    completion = protocol.completion_call(protocol.CompletionBody.model_validate(
+    completion = completions_api.completion_call(completions_api.CompletionBody.model_validate(
         {"model": "m", "prompt": ["a", "b"], "n": 2, "logprobs": 0}), model)
     assert (completion.n, completion.logprobs, completion.rows) == (2, 0, 2)
-    text_format = protocol.chat_call(protocol.ChatCompletionBody.model_validate(
+    text_format = chat_api.chat_call(chat_api.ChatCompletionBody.model_validate(
         {"model": "m", "messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "text"}}), model)
     assert text_format.response_format is None
 
@@ -118,7 +119,7 @@ def test_what_only_vllm_does_travels_in_the_call_and_changes_its_cache_key():
 ])
 def test_chat_logprob_and_format_mistakes_name_the_field(body, param):
     with pytest.raises((InvalidRequestError, ValueError)) as caught:
-        protocol.chat_call(protocol.ChatCompletionBody.model_validate(
+        chat_api.chat_call(chat_api.ChatCompletionBody.model_validate(
             {"model": "m", "messages": [{"role": "user", "content": "hi"}], **body}), _model())
     if isinstance(caught.value, InvalidRequestError):
         assert caught.value.param == param
@@ -130,13 +131,13 @@ def test_choices_and_logprobs_in_openai_shapes():
         Completion("Hey", "stop", prompt_tokens=4, completion_tokens=2, logprobs=lp),
         Completion("Yo", "length", prompt_tokens=0, completion_tokens=2, logprobs=lp),
     ])
-    chat = protocol.chat_response(result, "m")
+    chat = chat_api.chat_response(result, "m")
     assert [c["index"] for c in chat["choices"]] == [0, 1]
     assert chat["usage"] == {"prompt_tokens": 4, "completion_tokens": 4, "total_tokens": 8}
     first = chat["choices"][0]["logprobs"]["content"][0]
     assert first["token"] == "He" and first["bytes"] == list(b"He")
     assert [t["token"] for t in first["top_logprobs"]] == ["He", "Hi"]
-    legacy = protocol.completion_response(result, "m")["choices"][0]["logprobs"]
+    legacy = completions_api.completion_response(result, "m")["choices"][0]["logprobs"]
     assert legacy == {"tokens": ["He", "y"], "token_logprobs": [-0.5, -0.25],
                       "top_logprobs": [{"He": -0.5, "Hi": -1.0}, {"y": -0.25}], "text_offset": [0, 2]}
     assert GenerateResult.from_wire(result.to_wire()) == result
@@ -145,36 +146,36 @@ def test_choices_and_logprobs_in_openai_shapes():
 def test_classify_call_decodes_images_and_names_the_bad_one():
     model = _model("image-classification", top_k_limit=3)
     png = base64.b64encode(b"\x89PNG fake").decode()
-    call = protocol.classify_call(protocol.ClassifyBody(model="m", image=[f"data:image/png;base64,{png}"], top_k=2),
+    call = classify_api.classify_call(classify_api.ClassifyBody(model="m", image=[f"data:image/png;base64,{png}"], top_k=2),
                                   model)
     assert call == ClassifyCall(images=(b"\x89PNG fake",), top_k=2)
     with pytest.raises(InvalidRequestError) as caught:
-        protocol.classify_call(protocol.ClassifyBody(model="m", image=[png, "%%%"]), model)
+        classify_api.classify_call(classify_api.ClassifyBody(model="m", image=[png, "%%%"]), model)
     assert caught.value.param == "image[1]"
     with pytest.raises(InvalidRequestError) as caught:
-        protocol.classify_call(protocol.ClassifyBody(model="m", image=png, top_k=4), model)
+        classify_api.classify_call(classify_api.ClassifyBody(model="m", image=png, top_k=4), model)
     assert caught.value.param == "top_k"
     with pytest.raises(InvalidRequestError):
-        protocol.ClassifyBody(model="m").task  # neither input nor image
+        classify_api.ClassifyBody(model="m").task  # neither input nor image
 
 
 def test_embedding_response_base64_is_little_endian_float32():
     result = EmbedResult(embeddings=[[0.5, -1.0]], prompt_tokens=3)
-    body = protocol.embeddings_response(result, "e", "base64")
+    body = embeddings_api.embeddings_response(result, "e", "base64")
     assert np.frombuffer(base64.b64decode(body["data"][0]["embedding"]), dtype="<f4").tolist() == [0.5, -1.0]
     assert body["usage"] == {"prompt_tokens": 3, "total_tokens": 3}
 
 
 def test_stream_chunks_follow_openai_shapes():
-    chat = protocol.ChatChunkFormat("m")
+    chat = chat_api.ChatChunks("m")
     assert chat.opening()[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert chat.text(0, "hi")["choices"][0]["delta"] == {"content": "hi"}
     assert chat.finish(0, "stop")["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}
-    completion = protocol.ChunkFormat("m")
+    completion = completions_api.CompletionChunks("m")
     assert completion.opening() == []
     assert completion.finish(1, "length")["choices"][0]["text"] == ""
     assert completion.usage(2, 3)["usage"] == {"prompt_tokens": 2, "total_tokens": 5, "completion_tokens": 3}
-    assert protocol.sse({"a": 1}) == b'data: {"a":1}\n\n'
+    assert streaming.sse({"a": 1}) == b'data: {"a":1}\n\n'
 
 
 # ---- the error boundary and the guard on a bare app ------------------------------------

@@ -1,0 +1,182 @@
+"""``/v1/chat/completions``: messages and response formats, the GenerateCall they make,
+the response and its ``chat.completion.chunk`` events."""
+
+# No `from __future__ import annotations`: FastAPI resolves these bodies' annotations
+# at run time, and Serve's ingress re-signs the endpoints that take them.
+import dataclasses
+import json
+import time
+import uuid
+from typing import Literal, Optional, Union
+
+from fastapi import Response
+from pydantic import ConfigDict, Field
+
+from serve_app.config import ModelConfig
+from serve_app.core.calls import ChatTurn, GenerateCall, GenerateResult, ResponseFormat, TokenLogprob
+from serve_app.core.errors import InvalidRequestError
+from serve_app.ingress.openai.common import OpenAIObject, usage
+from serve_app.ingress.openai.completions import CompletionChunks
+from serve_app.ingress.openai.sampling import SamplingBody, generate_call, logprobs_count
+from serve_app.ingress.openai.streaming import event_stream
+from serve_app.ingress.serving import Serving
+
+
+class _TextPart(OpenAIObject):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(OpenAIObject):
+    model_config = ConfigDict(extra="ignore")
+    # "tool" and "function" (tool results) parse so that chat_call can refuse them by name.
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    # None: an assistant turn without text (OpenAI's tool-call turns send content: null).
+    content: Optional[Union[str, list[_TextPart]]] = None
+    tool_calls: Optional[list[dict]] = None
+    function_call: Optional[dict] = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class JSONSchemaFormat(OpenAIObject):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str = "response"
+    # "schema" shadows a BaseModel attribute, hence the alias.
+    json_schema: dict = Field(alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseFormatBody(OpenAIObject):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JSONSchemaFormat] = None
+
+
+class ChatCompletionBody(SamplingBody):
+    messages: list[ChatMessage]
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[int] = Field(None, ge=0, le=20)
+    response_format: Optional[ResponseFormatBody] = None
+    tools: Optional[list[dict]] = None
+    tool_choice: Optional[Union[str, dict]] = None
+    # OpenAI's deprecated form of tools; refused like them.
+    functions: Optional[list[dict]] = None
+    function_call: Optional[Union[str, dict]] = None
+
+    def requested_max_tokens(self) -> Optional[int]:
+        return self.max_completion_tokens or self.max_tokens
+
+
+def _check_message(message: ChatMessage, index: int) -> None:
+    """Turns that only a tool-calling conversation has are refused by name (tools are),
+    rather than dropped from the prompt, which would change the answer."""
+    if message.role in ("tool", "function"):
+        raise InvalidRequestError(f"'{message.role}' messages (tool results) are not supported yet",
+                                  param=f"messages.{index}.role")
+    for field in ("tool_calls", "function_call"):
+        if getattr(message, field):
+            raise InvalidRequestError(f"assistant {field} in the conversation are not supported yet",
+                                      param=f"messages.{index}.{field}")
+    if message.content is None and message.role != "assistant":
+        raise InvalidRequestError(f"a {message.role} message needs content", param=f"messages.{index}.content")
+
+
+def chat_call(body: ChatCompletionBody, model: ModelConfig) -> GenerateCall:
+    if not body.messages:
+        raise InvalidRequestError("'messages' must not be empty", param="messages")
+    for index, message in enumerate(body.messages):
+        _check_message(message, index)
+    if body.functions:
+        raise InvalidRequestError("function calls are not supported yet; send the request without 'functions'",
+                                  param="functions")
+    # Without tools "none" and "auto" ask nothing; anything else asks for a call we cannot make.
+    if not body.tools and body.tool_choice not in (None, "none", "auto"):
+        raise InvalidRequestError("tool_choice needs tools, which are not supported yet", param="tool_choice")
+    if body.function_call not in (None, "none", "auto"):
+        raise InvalidRequestError("function_call is not supported yet", param="function_call")
+    turns = tuple(ChatTurn("system" if m.role == "developer" else m.role, m.text()) for m in body.messages)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
+    logprobs = logprobs_count(body.top_logprobs or 0, model, "top_logprobs") if body.logprobs else None
+    response_format = None
+    if body.response_format is not None and body.response_format.type != "text":
+        if body.response_format.type == "json_schema":
+            if body.response_format.json_schema is None:
+                raise InvalidRequestError("response_format json_schema needs a 'json_schema' object with a 'schema'",
+                                          param="response_format")
+            schema = json.dumps(body.response_format.json_schema.json_schema, sort_keys=True, separators=(",", ":"))
+            response_format = ResponseFormat(type="json_schema", schema=schema)
+        else:
+            response_format = ResponseFormat(type="json_object")
+    tools = None
+    if body.tools and body.tool_choice != "none":
+        tools = json.dumps(body.tools, sort_keys=True, separators=(",", ":"))
+    call = generate_call(body, model, messages=turns)
+    return dataclasses.replace(call, logprobs=logprobs, response_format=response_format, tools=tools)
+
+
+def chat_logprobs(logprobs: Optional[tuple[TokenLogprob, ...]]) -> Optional[dict]:
+    """OpenAI's chat ``logprobs`` object (``content``: one entry per token)."""
+    if logprobs is None:
+        return None
+
+    def entry(token: str, logprob: float) -> dict:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+    return {"content": [{**entry(t.token, t.logprob), "top_logprobs": [entry(tok, lp) for tok, lp in t.top]}
+                        for t in logprobs]}
+
+
+def chat_response(result: GenerateResult, model: str) -> dict:
+    return {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": chat_logprobs(c.logprobs),
+                "finish_reason": c.finish_reason,
+            }
+            for i, c in enumerate(result.completions)
+        ],
+        "usage": usage(result.prompt_tokens, result.completion_tokens),
+    }
+
+
+class ChatChunks(CompletionChunks):
+    """OpenAI's ``chat.completion.chunk`` events."""
+
+    object_name = "chat.completion.chunk"
+    id_prefix = "chatcmpl"
+
+    def opening(self, choices: int = 1) -> list[dict]:  # OpenAI's first chunk of each choice announces the role
+        return [{**self.head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                           "logprobs": None, "finish_reason": None}]} for i in range(choices)]
+
+    def _choice(self, index: int, text: Optional[str]) -> dict:
+        return {"index": index, "delta": {} if text is None else {"content": text}}
+
+    def _logprobs(self, logprobs: Optional[tuple[TokenLogprob, ...]], text_offset: int) -> Optional[dict]:
+        return chat_logprobs(logprobs)  # chat logprobs carry no offsets
+
+
+async def create(serving: Serving, body: ChatCompletionBody, response: Response):
+    deadline = serving.client.deadline()  # first: every call the request makes shares it
+    model = serving.model(body.model, "text-generation", "/v1/chat/completions")
+    call = chat_call(body, model)
+    if body.stream:
+        return await event_stream(serving, model, call, ChatChunks(model.name), body.include_usage, deadline)
+    result = await serving.answer(model, call, response, deadline)
+    serving.log_payload(model, call.cache_input(), [c.text for c in result.completions])
+    return chat_response(result, model.name)

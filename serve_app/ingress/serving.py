@@ -1,0 +1,59 @@
+"""What every endpoint uses once it has parsed its body: the model it names (checked
+against the task the endpoint serves), the answer through the response cache, and the
+payload log that ``router.log_payloads`` turns on."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from fastapi import Response
+
+from serve_app.config import AppConfig, ModelConfig
+from serve_app.core.calls import ModelCall, ModelResult
+from serve_app.core.errors import InvalidRequestError, ModelNotFoundError
+from serve_app.ingress.model_client import ModelClient
+from serve_app.ingress.notes import note
+from serve_app.ingress.response_cache import ResponseCache
+
+logger = logging.getLogger("ray.serve")
+
+
+def _clip(value: Any, limit: int = 500) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str)
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} chars)"
+
+
+class Serving:
+    def __init__(self, config: AppConfig, client: ModelClient, cache: ResponseCache):
+        self.models: dict[str, ModelConfig] = {m.name: m for m in config.models}
+        self.client = client
+        self.cache = cache
+        self.log_payloads = config.router.log_payloads
+
+    def model(self, name: str, task: str, endpoint: str) -> ModelConfig:
+        """The served model called ``name``; a 404 for an unknown one, a 400 for one of
+        another task than ``endpoint`` serves."""
+        model = self.models.get(name)
+        if model is None:
+            known = ", ".join(sorted(self.models))
+            raise ModelNotFoundError(f"model {name!r} does not exist; this service serves: {known}")
+        note(model=name)
+        if model.task != task:
+            raise InvalidRequestError(
+                f"model {name!r} is a {model.task} model; {endpoint} needs a {task} model",
+                param="model",
+                code="wrong_task",
+            )
+        return model
+
+    async def answer(self, model: ModelConfig, call: ModelCall, response: Response, deadline: float) -> ModelResult:
+        """The answer from the cache or the model; the response's ``x-cache`` says which."""
+        result, response.headers["x-cache"] = await self.cache.answer(model, call, deadline=deadline)
+        return result
+
+    def log_payload(self, model: ModelConfig, inputs: Any, outputs: Any = None) -> None:
+        """Prompts and answers reach the log only when router.log_payloads asks for it."""
+        if self.log_payloads:
+            logger.info("payload model=%s input=%s output=%s", model.name, _clip(inputs), _clip(outputs))
