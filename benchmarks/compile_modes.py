@@ -6,7 +6,7 @@ caches filled by the cold start) and throughput right after start and once warm.
 
 Modes: ``aot`` (vLLM 0.32's default: its AOT artifact, which never loads on the CPU, so
 every start compiles), ``aot0`` (VLLM_USE_AOT_COMPILE=0: inductor's own caches, what
-serve_app ships, see replica/vllm_engine.cpu_engine_env) and ``eager`` (enforce_eager: no
+serve_app ships, see replica/vllm/runtime.cpu_engine_env) and ``eager`` (enforce_eager: no
 compile). Each start runs in a process of its own, as a replica does, with the engine
 options serve_app gives the model (bf16, two threads). Prints one JSON line per start.
 """
@@ -39,7 +39,7 @@ def one_start(mode: str, model: str, cache: str) -> dict:
 
     from serve_app.config import ModelConfig
     from serve_app.core.models.sources import resolve_source
-    from serve_app.replica.vllm_engine import cpu_engine_env, engine_args
+    from serve_app.replica.vllm.runtime import cpu_engine_env, engine_args
 
     source, task = MODELS[model]
     config = ModelConfig.model_validate({

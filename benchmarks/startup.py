@@ -63,7 +63,7 @@ def _peer_server(config_dict: dict, cache_dir: str, log_path: Path) -> VLLMServe
     from serve_app.config import ModelConfig
     from serve_app.core.models.devices import resolve_precision
     from serve_app.core.models.sources import resolve_source
-    from serve_app.replica.vllm_engine import cpu_engine_env, engine_args
+    from serve_app.replica.vllm.runtime import cpu_engine_env, engine_args
 
     config = ModelConfig.model_validate(config_dict)
     precision, _ = resolve_precision(config.precision, torch.device("cpu"))

@@ -14,7 +14,7 @@ the others.
 Generation calls go to the model's engine (``replica.engines``): the static engine
 queues its rows through the same admission and executor, the continuous one batches on
 its own thread. A model on vLLM (``engine: vllm``, or ``auto`` where vLLM runs it;
-``replica.vllm_engine``) has vLLM's scheduler batch its generation or embedding rows,
+``replica.vllm``) has vLLM's scheduler batch its generation or embedding rows,
 so they skip the admission window too. What runs each task is picked once, at load:
 the runtime (vLLM or transformers), the model call of a sub-batch and the handler of
 each call type the model serves.
@@ -62,15 +62,10 @@ from serve_app.replica.engines import make_engine, static_generate
 from serve_app.replica.inputs import encode_each, in_image_thread, in_tokenizer_thread
 from serve_app.replica.startup import StartupTimes, directory_bytes, process_started_at, warmup_calls
 from serve_app.replica.stats import ReplicaObserver
-# vllm_engine imports vLLM itself only when a model starts on it.
-from serve_app.replica.vllm_engine import (
-    VLLMEmbedder,
-    VLLMEngine,
-    VLLMRuntime,
-    compile_cache_dir,
-    start_vllm,
-    vllm_unavailable,
-)
+# serve_app.replica.vllm imports vLLM itself only when a model starts on it.
+from serve_app.replica.vllm.embeddings import VLLMEmbedder
+from serve_app.replica.vllm.generation import VLLMEngine
+from serve_app.replica.vllm.runtime import VLLMRuntime, compile_cache_dir, start_vllm, vllm_unavailable
 from serve_app.scaling import ONGOING_CALLS_METRIC, STARTUP_METRIC
 from serve_app.serve_logs import start_log_flusher
 
@@ -78,7 +73,7 @@ logger = logging.getLogger("ray.serve")
 
 # Part of every revision this replica reports. Bump it when a code change alters what an
 # engine answers for the same weights, config and input (2: the continuous engine applies
-# the model's generation_config, issue 16), so cached answers of the old code are never
+# the model's generation_config), so cached answers of the old code are never
 # served as the new code's.
 ANSWERS_VERSION = 2
 

@@ -14,7 +14,7 @@ from benchmarks.registry import load_all
 from benchmarks.service import load_models, pick_model
 from benchmarks.startup import _our_config
 from serve_app.config import ModelConfig
-from serve_app.replica.vllm_engine import engine_args
+from serve_app.replica.vllm.runtime import engine_args
 
 LOCAL_YAML = Path(__file__).resolve().parents[2] / "deployments" / "local.yaml"
 

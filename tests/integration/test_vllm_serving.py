@@ -74,7 +74,7 @@ def test_local_yaml_serves_chat_and_embeddings_on_vllm(local):
 
 
 def test_on_the_cpu_each_vllm_model_runs_inside_its_engine_core_process(local):
-    """No worker process beside the engine core (serve_app.replica.vllm_engine): the two
+    """No worker process beside the engine core (serve_app.replica.vllm.runtime): the two
     would spin on the queue between them, taking CPU from every other process."""
     import psutil
 

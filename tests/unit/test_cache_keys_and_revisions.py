@@ -298,7 +298,7 @@ def test_engines_devices_and_vllm_options_get_their_own_revisions():
     assert answer_revision(config, runtime, "static").startswith("w1-fp32-none-static-")
     assert ANSWERS_VERSION >= 2  # the continuous engine now honours generation_config
 
-    from serve_app.replica.vllm_engine import VLLMRuntime
+    from serve_app.replica.vllm.runtime import VLLMRuntime
 
     def vllm_runtime():
         fields = {f.name: None for f in dataclasses.fields(VLLMRuntime)}

@@ -175,7 +175,7 @@ def test_control_tokens_in_chat_content_are_plain_text(llm):
 
 
 def test_vllm_runtime_encodes_chats_the_same_way(llm):
-    from serve_app.replica.vllm_engine import VLLMRuntime
+    from serve_app.replica.vllm.runtime import VLLMRuntime
 
     runtime = VLLMRuntime(task="text-generation", engine=None, tokenizer=llm.tokenizer, revision="r",
                           max_input_tokens=128, device="cpu", dtype="float32", stats_logger=None)

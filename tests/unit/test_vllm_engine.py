@@ -23,13 +23,8 @@ from serve_app.core.errors import (
     InvalidRequestError,
     ModelUnavailableError,
 )
-from serve_app.replica.vllm_engine import (
-    EngineStatsLogger,
-    VLLMRuntime,
-    compile_cache_dir,
-    cpu_engine_env,
-    engine_args,
-)
+from serve_app.replica.vllm.runtime import VLLMRuntime, compile_cache_dir, cpu_engine_env, engine_args
+from serve_app.replica.vllm.stats import EngineStatsLogger
 
 from replica_fakes import FakeMetrics, run, server
 

