@@ -11,7 +11,7 @@ from pydantic import Field, field_validator, model_validator
 from serve_app.config.base import _Section
 from serve_app.config.cache import ModelCacheConfig
 from serve_app.config.vllm import VLLMConfig
-from serve_app.core.quantization import Quantization, check_quantization
+from serve_app.core.models.quantization import Quantization, check_quantization
 from serve_app.core.tasks import PRECISION_CHOICES, TASKS
 
 Task = Literal[TASKS]

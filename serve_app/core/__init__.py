@@ -1,1 +1,17 @@
-"""Plain Python + torch building blocks. Nothing in this package imports ray."""
+"""Plain Python + torch building blocks. Nothing in this package imports ray.
+
+By role:
+
+- the contract between deployments: ``calls`` (the typed calls and results), ``errors``
+  (what a failure means to a client), ``tasks`` (the tasks a model can serve);
+- the replica's batching pipeline: ``batching`` (admission and length-sorted
+  sub-batches), ``static_batch`` (one padded batch through the model), ``executor``
+  (the model's one thread);
+- generation: ``continuous`` (the continuous batcher, a package), ``decoding``
+  (sampling and streamed text, both engines), ``models`` (loading, runtimes,
+  quantization);
+- the cache: ``cache`` (keys, stores, semantic index, single-flight);
+- scaling: ``schedule`` (the daily load profiles);
+- shared helpers: ``recent`` (sliding-window counters), ``shared_tasks`` (one awaited
+  task many callers share).
+"""

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from serve_app.core.auth import ApiKeys
+from serve_app.ingress.auth import ApiKeys
 from serve_app.core.errors import PayloadTooLargeError, ServeAppError
 from serve_app.core.recent import RecentEvents, percentile
 from serve_app.ingress import caller

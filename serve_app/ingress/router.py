@@ -20,7 +20,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from serve_app.config import AppConfig, ModelConfig
-from serve_app.core.auth import ApiKeys
+from serve_app.ingress.auth import ApiKeys
 from serve_app.core.errors import InvalidRequestError, ModelNotFoundError, ServeAppError
 from serve_app.ingress import http_errors
 from serve_app.ingress.middleware import IngressGuard, IngressState, RequestObserver, ingress_state

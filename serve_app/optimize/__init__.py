@@ -2,7 +2,7 @@
 
 ``quantize`` measures a quantization mode (as ``load_runtime`` applies it when a
 model's config sets ``quantization:``) against the unquantized model. ``prune``
-removes FFN neurons and attention heads (:mod:`serve_app.core.pruning`), optionally
+removes FFN neurons and attention heads (:mod:`serve_app.optimize.pruning`), optionally
 recovers quality by distillation, and saves a model directory that a config's
 ``source:`` can point to. Both print and save a report (JSON and a markdown table)
 with size, speed at a fixed batch and quality against the original on held-out text.

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from serve_app.core.models import LoadOptions, load_runtime
-from serve_app.core.quantization import QUANTIZATIONS
+from serve_app.core.models.quantization import QUANTIZATIONS
 from serve_app.core.tasks import PRECISIONS, TASKS
 from serve_app.optimize import BUILTIN, calibration_texts, heldout_texts
 from serve_app.optimize import quality as q
@@ -147,7 +147,7 @@ def _prepare_out_dir(out: Path, source_dir: Path, force: bool) -> None:
 
 
 def run_prune(args: argparse.Namespace) -> dict[str, Any]:
-    from serve_app.core import pruning
+    from serve_app.optimize import pruning
 
     out = Path(args.out).expanduser()
     calibration = calibration_texts(args.calibration)

@@ -28,7 +28,7 @@ from typing import Any, Sequence
 
 import torch
 
-from serve_app.core.quantization import parameter_count, weight_bytes
+from serve_app.core.models.quantization import parameter_count, weight_bytes
 from serve_app.core.models import EmbeddingRuntime, GenerationRuntime, TaskRuntime, TextClassificationRuntime
 
 # Weight files transformers loads (safetensors first); what "bytes on disk" counts.

@@ -9,7 +9,7 @@ part (:class:`_TransformersEngine`):
 - :class:`StaticEngine`: rows go through the replica's ``@serve.batch`` admission and
   executor (the ``submit`` callable it is given) and run as one padded generate() per
   sub-batch (:func:`static_generate`) until the last row ends.
-- :class:`ContinuousEngine`: rows join :class:`~serve_app.core.continuous.ContinuousBatcher`'s
+- :class:`ContinuousEngine`: rows join :class:`~serve_app.core.continuous.engine.ContinuousBatcher`'s
   running batch between decode steps and leave as soon as they end; they skip the
   admission window and the executor.
 
@@ -26,7 +26,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Protocol, 
 
 from serve_app.config import BatchingConfig
 from serve_app.core.calls import Completion, GenerateCall, GenerateResult, StreamDelta, StreamEnd, StreamEvent
-from serve_app.core.continuous import ContinuousBatcher
+from serve_app.core.continuous.engine import ContinuousBatcher
 from serve_app.core.errors import ContextLengthExceededError, DeadlineExceededError, InvalidRequestError, ServeAppError
 from serve_app.core.models import GenerationRequest, GenerationResult, GenerationRuntime
 from serve_app.core.static_batch import Row, new_row

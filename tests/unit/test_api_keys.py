@@ -2,7 +2,7 @@
 
 import pytest
 
-from serve_app.core.auth import ApiKeys, Role, read_keys
+from serve_app.ingress.auth import ApiKeys, Role, read_keys
 from serve_app.core.errors import AuthenticationError, PermissionDeniedError
 
 USER, ADMIN = "user-key-0123456789abcdef", "admin-key-0123456789abcdef"

@@ -1,4 +1,4 @@
-"""serve_app.core.continuous.ContinuousBatcher on the tiny random Llama, plus one check on SmolLM2.
+"""serve_app.core.continuous.engine.ContinuousBatcher on the tiny random Llama, plus one check on SmolLM2.
 
 Most tests drive the batcher by hand with step(), so that "which step did a row join
 and leave" is exact; the threaded tests use start()/shutdown().
@@ -11,10 +11,10 @@ import time
 
 import pytest
 
-from serve_app.core import kv_cache
+from serve_app.core.continuous import kv_cache
 from serve_app.core.calls import SamplingParams
-from serve_app.core.continuous import ContinuousBatcher
-from serve_app.core.continuous_types import BatcherClosedError
+from serve_app.core.continuous.engine import ContinuousBatcher
+from serve_app.core.continuous.types import BatcherClosedError
 from serve_app.core.models import GenerationRequest, GenerationResult, LoadOptions, load_runtime
 
 GREEDY = SamplingParams(temperature=0.0)

@@ -18,9 +18,9 @@ import shutil
 import pytest
 import torch
 
-from serve_app.core import kv_cache
+from serve_app.core.continuous import kv_cache
 from serve_app.core.calls import SamplingParams
-from serve_app.core.continuous import ContinuousBatcher
+from serve_app.core.continuous.engine import ContinuousBatcher
 from serve_app.core.models import GenerationRequest, GenerationResult, GenerationRuntime, LoadOptions, load_runtime
 
 GREEDY = SamplingParams(temperature=0.0)

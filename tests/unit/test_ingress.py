@@ -18,7 +18,7 @@ from ray.exceptions import ActorUnavailableError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from serve_app.config import AppConfig, ModelConfig, RouterConfig
-from serve_app.core.auth import ApiKeys
+from serve_app.ingress.auth import ApiKeys
 from serve_app.core.calls import (
     ChatTurn,
     ClassifyCall,

@@ -1,4 +1,4 @@
-"""serve_app.core.pruning and `python -m serve_app.optimize`: pruned models shrink, save,
+"""serve_app.optimize.pruning and `python -m serve_app.optimize`: pruned models shrink, save,
 reload through load_runtime with the right shapes, and distillation wins quality back."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import tiny_models
-from serve_app.core import pruning
-from serve_app.core.quantization import parameter_count
+from serve_app.optimize import pruning
+from serve_app.core.models.quantization import parameter_count
 from serve_app.core.calls import SamplingParams
 from serve_app.core.models import GenerationRequest, LoadOptions, load_runtime
 from serve_app.optimize import __main__ as cli

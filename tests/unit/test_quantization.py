@@ -1,4 +1,4 @@
-"""serve_app.core.quantization: which combinations run, the config check, and the quality
+"""serve_app.core.models.quantization: which combinations run, the config check, and the quality
 each CPU mode keeps on the package-shipped models when loaded through load_runtime.
 
 Quality bounds were measured on the built-in held-out text (CPU, torchao 0.18):
@@ -15,7 +15,7 @@ import torch
 
 import tiny_models
 from serve_app.config import ConfigError, parse_app_config
-from serve_app.core.quantization import (
+from serve_app.core.models.quantization import (
     QUANTIZATIONS,
     check_quantization,
     from_pretrained_kwargs,

@@ -17,7 +17,7 @@ import pytest
 import tiny_models
 from serve_app.cache_server import CacheServer
 from serve_app.config import AppConfig
-from serve_app.core.auth import ApiKeys
+from serve_app.ingress.auth import ApiKeys
 from serve_app.core.cache.semantic import (
     MAX_QUESTION_CHARS,
     SemanticIndex,

@@ -1,4 +1,4 @@
-"""serve_app.core.streaming.TextStream, and token streaming through GenerationRuntime.generate()."""
+"""serve_app.core.decoding.streaming.TextStream, and token streaming through GenerationRuntime.generate()."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from serve_app.core.calls import SamplingParams
 from serve_app.core.models import GenerationRequest
-from serve_app.core.streaming import TextStream, first_stop
+from serve_app.core.decoding.streaming import TextStream, first_stop
 
 GREEDY = SamplingParams(temperature=0.0)
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

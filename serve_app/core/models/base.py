@@ -67,7 +67,7 @@ class TaskRuntime:
     revision: str
     max_input_tokens: int
     model_path: Path
-    quantization: str = "none"  # set by load_runtime; see serve_app.core.quantization
+    quantization: str = "none"  # set by load_runtime; see serve_app.core.models.quantization
 
     def __init__(self, *, task: str, model: Any, model_path: Path, device: torch.device, dtype: torch.dtype,
                  max_input_tokens: int):

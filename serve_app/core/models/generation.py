@@ -16,8 +16,8 @@ import torch
 from serve_app.core.calls import SamplingParams
 from serve_app.core.errors import ContextLengthExceededError, InvalidRequestError
 from serve_app.core.models.base import TaskRuntime, token_id_input, vocabulary_size
-from serve_app.core.sampling import seeded_generator, top_p_filter
-from serve_app.core.streaming import TextStream
+from serve_app.core.decoding.sampling import seeded_generator, top_p_filter
+from serve_app.core.decoding.streaming import TextStream
 
 logger = logging.getLogger(__name__)
 
@@ -412,7 +412,7 @@ class GenerationRuntime(TaskRuntime):
 
         Streaming: ``on_delta(row_index, text)`` is called from this (the generating)
         thread as each row's text grows; a row's deltas concatenate exactly to its
-        result's ``text`` (see :class:`~serve_app.core.streaming.TextStream` for what is
+        result's ``text`` (see :class:`~serve_app.core.decoding.streaming.TextStream` for what is
         held back until the row ends). It must be quick; if it raises, the error is
         logged and that row is cancelled. ``is_cancelled(row_index)`` is asked once per
         step for each running row: True ends that row at this step with finish_reason

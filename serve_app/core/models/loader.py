@@ -19,7 +19,7 @@ from serve_app.core.models.encoders import (
 )
 from serve_app.core.models.generation import GenerationRuntime
 from serve_app.core.models.sources import resolve_source
-from serve_app.core.quantization import check_quantization, from_pretrained_kwargs, quantize_weights
+from serve_app.core.models.quantization import check_quantization, from_pretrained_kwargs, quantize_weights
 from serve_app.core.tasks import TASKS
 
 logger = logging.getLogger(__name__)
@@ -36,7 +36,7 @@ class LoadOptions:
     trust_remote_code: bool = False
     hub_revision: str | None = None  # for hf: sources
     cache_dir: str | None = None  # converted GGUF models; default $SERVE_APP_CACHE or ~/.cache/serve_app
-    quantization: str = "none"  # one of serve_app.core.quantization.QUANTIZATIONS
+    quantization: str = "none"  # one of serve_app.core.models.quantization.QUANTIZATIONS
 
 
 def _load_tokenizer(path: Path, trust_remote_code: bool, **kw):

@@ -1,18 +1,24 @@
 """The engine-side state of one request of the continuous batcher
-(:class:`serve_app.core.continuous.ContinuousBatcher`).
+(:class:`serve_app.core.continuous.engine.ContinuousBatcher`): what it holds, and how a
+token it samples and the text that makes reach it.
 
 This module must never import ray.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from serve_app.core.calls import SamplingParams
-from serve_app.core.continuous_types import GenerationSink, RowHandle
+from serve_app.core.continuous.types import GenerationSink, RowHandle
 from serve_app.core.models import GenerationRequest
-from serve_app.core.sampling import RowProcessors, seeded_generator
-from serve_app.core.streaming import TextStream
+from serve_app.core.decoding.sampling import RowProcessors, seeded_generator
+from serve_app.core.decoding.streaming import TextStream
+
+
+logger = logging.getLogger(__name__)
 
 
 class BatchRow:
@@ -44,3 +50,30 @@ class BatchRow:
         self.ended = False  # its sink got on_finish; nothing may end it again
         # The model's logits processors for this row; None if its generation_config asks for none.
         self.processors: RowProcessors | None = None
+
+    def take(self, token: int, eos_token_ids) -> str:
+        """Record a sampled token and decide whether the row ends; return its new text, not yet streamed."""
+        self.tokens.append(token)
+        self.next_token = token
+        if self.processors is not None:
+            self.processors.append(token)
+        if token in eos_token_ids:
+            self.finish_reason = "stop"
+            return ""
+        delta = self.stream.push(token)
+        if self.stream.stopped:
+            self.finish_reason = "stop"
+        elif len(self.tokens) >= self.limit:
+            self.finish_reason = "length"
+        return delta
+
+    def deliver(self, delta: str) -> None:
+        """Stream ``delta`` to the row's sink; a sink that raises is told nothing more
+        (the batcher then cancels the row)."""
+        if not delta or self.sink_failed:
+            return
+        try:
+            self.sink.on_delta(delta)
+        except Exception:
+            logger.exception("sink.on_delta failed for request %d; cancelling it", self.handle.request_id)
+            self.sink_failed = True

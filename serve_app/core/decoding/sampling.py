@@ -4,7 +4,7 @@ The model's own logits processors first (its ``generation_config``: repetition_p
 and the like), then temperature and top-p, drawn with the row's own random generator,
 so a seeded row's tokens do not depend on the rows beside it. The static engine runs
 this inside ``generate()`` (:class:`~serve_app.core.models.generation.GenerationRuntime`),
-the continuous engine row by row (:class:`~serve_app.core.continuous.ContinuousBatcher`).
+the continuous engine row by row (:class:`~serve_app.core.continuous.engine.ContinuousBatcher`).
 
 This module must never import ray.
 """

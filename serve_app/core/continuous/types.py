@@ -1,4 +1,4 @@
-"""What the continuous batcher (:class:`serve_app.core.continuous.ContinuousBatcher`)
+"""What the continuous batcher (:class:`serve_app.core.continuous.engine.ContinuousBatcher`)
 hands out and takes in besides the requests: the sink a request's output goes to, the
 handle of a submitted request, the counters snapshot, and the error at shutdown.
 
