@@ -6,9 +6,10 @@ for models that opt in, and finally the model itself, where identical requests i
 flight at the same time share one call (single-flight). A fresh answer is written back
 without making the client wait, under the revision of the replica that computed it
 (during a rolling update that can differ from the one read). Reads use the model's
-revision as the router knows it, re-read from its replicas every
-``revision_refresh_s`` and never going back to an older one, so a newly loaded
-revision never serves the old one's answers. One deadline, taken when the request
+revision as the router knows it (``ingress.revisions``: re-read from its replicas every
+``revision_refresh_s``, never going back to an older one), so a newly loaded revision
+never serves the old one's answers; a stored value that does not fit its request
+(``core.cache.fit``) is a miss. One deadline, taken when the request
 arrives, covers every call made for it. The cache can only ever miss: a slow or
 failing CacheServer, or a corrupt stored value, costs a model call, never a request.
 """
@@ -16,7 +17,6 @@ failing CacheServer, or a corrupt stored value, costs a model call, never a requ
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import math
 import time
@@ -24,16 +24,12 @@ from collections import Counter
 from typing import Any, Callable, Optional
 
 import cachetools
-import numpy as np
 from ray.serve.handle import DeploymentHandle
 
 from serve_app.config import CacheConfig, ModelConfig
 from serve_app.core.calls import (
-    ClassifyResult,
     EmbedCall,
-    EmbedResult,
     GenerateCall,
-    GenerateResult,
     ModelCall,
     ModelResult,
 )
@@ -47,12 +43,14 @@ from serve_app.core.cache import (
     is_cacheable,
     semantic_namespace,
 )
+from serve_app.core.cache.fit import misfit
 from serve_app.core.cache.semantic import semantic_request
 from serve_app.core.shared_tasks import start_shared
 from serve_app.ray_env import handle_message_budget_bytes
 from serve_app.ingress import caller
 from serve_app.ingress.model_client import ModelClient
 from serve_app.ingress.notes import note
+from serve_app.ingress.revisions import RevisionTracker
 from serve_app.metrics import CacheMetrics
 
 logger = logging.getLogger("ray.serve")
@@ -71,18 +69,6 @@ _LOOKUP_ROUNDS = 8
 # A text the embedder refused as too long makes texts at least as long skip the semantic
 # lookup for this long (then one is tried again: the bound is a guess in characters).
 _TOO_LONG_MEMORY_S = 600.0
-
-
-@dataclasses.dataclass
-class _KnownRevision:
-    """What the router knows of a model's revision (from ``ModelServer.info``)."""
-
-    revision: str
-    loaded_at: Optional[float]  # when the replica that reported it loaded (time.time())
-    read_at: float  # time.monotonic() of the last read
-    max_input_tokens: Optional[int] = None
-    # Revisions seen on replicas loaded before this one's (the old side of a rolling update).
-    older: set = dataclasses.field(default_factory=set)
 
 
 class ResponseCache:
@@ -115,7 +101,7 @@ class ResponseCache:
         self._writes: CallBatcher[tuple, None] = CallBatcher(
             self._set_many, timeout_s=config.call_timeout_s, max_batch=_STORE_BATCH,
             size_of=lambda entry: len(entry[0]) + len(entry[1]), max_bytes=self.max_bytes)
-        self._revisions: dict[str, _KnownRevision] = {}
+        self.revisions = RevisionTracker(client, config.revision_refresh_s)
         self._too_long: dict[str, tuple[int, float]] = {}  # embedder -> (chars, when) it refused
         self._warned_at: dict[str, float] = {}
         self._unwarned: Counter = Counter()
@@ -166,7 +152,7 @@ class ResponseCache:
         # never an older revision's answer. Writes use the revision of the replica that
         # computed the answer (compute_and_store), which during a rolling update can be
         # another one: an old replica's answer never lands under the new revision's key.
-        revision = await self._revision(model, deadline)
+        revision = await self.revisions.read(model, deadline)
 
         def key_under(rev: str) -> str:
             return cache_key(model=model.name, revision=rev, task=model.task, payload=call.cache_input(),
@@ -221,7 +207,7 @@ class ResponseCache:
                 # so it is not cached at all.
                 return result
             computed_by = computed_by or revision
-            self._saw_revision(model, computed_by)
+            self.revisions.saw(model, computed_by)
             if computed_by == revision:
                 # Inside the flight, so that from the moment the flight ends the answer is
                 # already in the hot tier: no gap in which a late duplicate calls the model.
@@ -234,53 +220,6 @@ class ResponseCache:
 
         result, shared = await self.flights.run(key, compute_and_store)
         return ("coalesced" if shared else "miss"), result
-
-    async def _revision(self, model: ModelConfig, deadline: Optional[float] = None) -> str:
-        """The model's revision for reading cache keys, re-read every revision_refresh_s
-        from one of its replicas, so a newly loaded revision makes the old entries
-        unreachable.
-
-        It never goes back: during a rolling update the re-read lands on an old or a new
-        replica at random, and a read from a replica loaded before the one the known
-        revision came from (``ModelInfo.loaded_at``) is an older revision, so it is kept
-        out. A rollback starts replicas later still, so it is taken like any update."""
-        if model.cache.revision:
-            return model.cache.revision
-        known = self._revisions.get(model.name)
-        now = time.monotonic()
-        if known is not None and now - known.read_at < self.config.revision_refresh_s:
-            return known.revision
-        try:
-            info = await self.client.info(model, deadline=deadline)
-        except Exception:
-            if known is not None:  # keep serving with the last known revision
-                return known.revision
-            raise
-        if known is not None and info.revision != known.revision and not _loaded_later(info.loaded_at,
-                                                                                       known.loaded_at):
-            known.older.add(info.revision)  # the old side of an update answered: keep ours
-            known.read_at = now
-            return known.revision
-        older = set() if known is None else (known.older | {known.revision}) - {info.revision}
-        loaded_at = info.loaded_at
-        if known is not None and info.revision == known.revision and known.loaded_at is not None:
-            loaded_at = max(known.loaded_at, loaded_at or known.loaded_at)
-        # Bounded: only revisions seen beside each other during updates, the last few kept.
-        self._revisions[model.name] = _KnownRevision(info.revision, loaded_at, now, info.max_input_tokens,
-                                                     set(list(older)[-8:]))
-        return info.revision
-
-    def _saw_revision(self, model: ModelConfig, revision: Optional[str]) -> None:
-        """An answer came from a replica of ``revision``. One the router has not seen
-        yet means replicas of another revision now serve: re-read the revision at the
-        next request (at most once a second) rather than up to revision_refresh_s later,
-        so reads move to the new revision's keys soon after its first replica answers."""
-        known = self._revisions.get(model.name)
-        if model.cache.revision or known is None or revision is None:
-            return
-        if revision != known.revision and revision not in known.older:
-            if time.monotonic() - known.read_at >= min(1.0, self.config.revision_refresh_s):
-                known.read_at = -math.inf
 
     async def _embed_for_cache(self, model_name: str, text: str,
                                deadline: Optional[float] = None) -> Optional[tuple[list[float], str]]:
@@ -299,7 +238,7 @@ class ResponseCache:
             self.semantic_too_long += 1
             return None
         try:
-            await self._revision(embedder, deadline)  # learns its context (max_input_tokens)
+            await self.revisions.read(embedder, deadline)  # learns its context (max_input_tokens)
         except Exception:  # noqa: BLE001 - the context check is an optimisation only
             pass
         if self._too_long_to_embed(embedder, text):
@@ -307,7 +246,7 @@ class ResponseCache:
             return None
         try:
             result = await self.client.infer(embedder, EmbedCall(texts=(text,)), deadline=deadline)
-            return result.embeddings[0], self._vector_revision(embedder, result)
+            return result.embeddings[0], self.revisions.of_result(embedder, result)
         except Exception as exc:  # the semantic cache is best effort
             if getattr(exc, "code", None) == "context_length_exceeded":
                 self.semantic_too_long += 1
@@ -322,8 +261,8 @@ class ResponseCache:
             return None
 
     def _too_long_to_embed(self, embedder: ModelConfig, text: str) -> bool:
-        known = self._revisions.get(embedder.name)
-        if known is not None and known.max_input_tokens and len(text.split()) > known.max_input_tokens:
+        context = self.revisions.max_input_tokens(embedder)
+        if context and len(text.split()) > context:
             return True
         refused = self._too_long.get(embedder.name)
         return (refused is not None and len(text) >= refused[0]
@@ -353,7 +292,7 @@ class ResponseCache:
             return None
         try:
             result = call.result_type.from_wire(decode_value(encoded))
-            problem = _misfit(call, result, revision)
+            problem = misfit(call, result, revision)
         except Exception as exc:  # noqa: BLE001 - any failure to decode is a corrupt entry
             result, problem = None, repr(exc)
         if problem is None:
@@ -379,17 +318,6 @@ class ResponseCache:
         if self.config.scope == "shared":
             return ""
         return caller.current() or ""
-
-    def _vector_revision(self, embedder: ModelConfig, result: Any) -> str:
-        """The embedder revision a vector belongs to: the one its replica reported, else
-        the configured or last known one."""
-        reported = getattr(result, "revision", None)
-        if reported:
-            return str(reported)
-        if embedder.cache.revision:
-            return embedder.cache.revision
-        known = self._revisions.get(embedder.name)
-        return known.revision if known is not None else "unknown"
 
     def _hot_get(self, key: str) -> Optional[ModelResult]:
         entry = self._hot.get(key)
@@ -474,44 +402,3 @@ class ResponseCache:
         if now - self._error_logged_at > 30:
             logger.warning("cache %s failed (%d errors so far), serving without it: %r", what, self.errors, exc)
             self._error_logged_at = now
-
-
-def _loaded_later(loaded_at: Optional[float], than: Optional[float]) -> bool:
-    """Whether a replica loaded at ``loaded_at`` came after one loaded at ``than``. A
-    replica that does not say is older code than one that does (``loaded_at`` came with
-    answer revisions), so it is later only if neither says."""
-    if loaded_at is None:
-        return than is None
-    return than is None or loaded_at >= than
-
-
-def _misfit(call: ModelCall, result: ModelResult, revision: Optional[str]) -> Optional[str]:
-    """Why ``result`` cannot be the answer to ``call`` of ``revision``, or None if it can."""
-    if revision is not None and result.revision is not None and result.revision != revision:
-        return f"revision {result.revision!r}, not {revision!r}"
-    if result.prompt_tokens < 0:
-        return "negative prompt_tokens"
-    if isinstance(result, EmbedResult):
-        if len(result.embeddings) != len(call.texts):
-            return f"{len(result.embeddings)} embeddings for {len(call.texts)} inputs"
-        if not all(isinstance(row, (list, tuple)) and row for row in result.embeddings):
-            return "an embedding that is not a list of numbers"
-        vectors = np.asarray(result.embeddings)  # ragged rows raise: caught as corrupt
-        if vectors.ndim != 2 or vectors.dtype.kind != "f" or not np.isfinite(vectors).all():
-            return "embeddings that are not finite floats of one dimension"
-    elif isinstance(result, ClassifyResult):
-        inputs = call.texts if call.texts is not None else call.images
-        if len(result.rankings) != len(inputs):
-            return f"{len(result.rankings)} rankings for {len(inputs)} inputs"
-        if not all(1 <= len(row) <= call.top_k and all(math.isfinite(score) for _, score in row)
-                   for row in result.rankings):
-            return f"a ranking that is not 1 to {call.top_k} finite scores"
-    elif isinstance(result, GenerateResult):
-        if len(result.completions) != call.rows * call.n:
-            return f"{len(result.completions)} completions for {call.rows * call.n} choices"
-        for completion in result.completions:
-            if completion.finish_reason not in ("stop", "length"):  # "cancelled" is never an answer
-                return f"finish_reason {completion.finish_reason!r}"
-            if (completion.logprobs is None) != (call.logprobs is None) or completion.completion_tokens < 0:
-                return "logprobs or token counts that do not fit the request"
-    return None

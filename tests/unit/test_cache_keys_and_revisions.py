@@ -213,11 +213,11 @@ def test_the_known_revision_never_goes_back_to_a_replica_loaded_earlier():
                                   _info("rev-rollback", loaded_at=300.0)])
         cache = _cache({"m": backend}, _Store(), revision_refresh_s=0.001)
         model = cache.models["m"]
-        assert await cache._revision(model) == "rev-new"
+        assert await cache.revisions.read(model) == "rev-new"
         await asyncio.sleep(0.01)
-        assert await cache._revision(model) == "rev-new"  # an old replica answered the re-read
+        assert await cache.revisions.read(model) == "rev-new"  # an old replica answered the re-read
         await asyncio.sleep(0.01)
-        assert await cache._revision(model) == "rev-rollback"  # loaded later: taken
+        assert await cache.revisions.read(model) == "rev-rollback"  # loaded later: taken
 
     asyncio.run(scenario())
 
@@ -231,13 +231,13 @@ def test_during_the_update_onto_this_code_old_replicas_neither_write_nor_pull_th
                            infos=[_info("rev-new", loaded_at=200.0), old_info], stamp=False)
         cache = _cache({"m": backend}, store, revision_refresh_s=0.001)
         model = cache.models["m"]
-        assert await cache._revision(model) == "rev-new"
+        assert await cache.revisions.read(model) == "rev-new"
         result, header = await cache.answer(model, CALL)
         await _settle()
         assert (result.completions[0].text, header) == ("old", "miss")
         assert store.entries == {}, "whose answer it is cannot be told: it is not cached"
         await asyncio.sleep(0.01)
-        assert await cache._revision(model) == "rev-new"  # the old replica does not pull it back
+        assert await cache.revisions.read(model) == "rev-new"  # the old replica does not pull it back
 
     asyncio.run(scenario())
 
@@ -248,10 +248,10 @@ def test_an_answer_of_an_unseen_revision_makes_the_router_reread_soon():
                            infos=[_info("rev-old", loaded_at=100.0), _info("rev-new", loaded_at=200.0)])
         cache = _cache({"m": backend}, _Store(), revision_refresh_s=3600)
         model = cache.models["m"]
-        assert await cache._revision(model) == "rev-old"
-        cache._revisions["m"].read_at -= 5  # read a while ago, far within the refresh period
+        assert await cache.revisions.read(model) == "rev-old"
+        cache.revisions.known["m"].read_at -= 5  # read a while ago, far within the refresh period
         await cache.answer(model, CALL)  # read under rev-old, computed by a rev-new replica
-        assert await cache._revision(model) == "rev-new"
+        assert await cache.revisions.read(model) == "rev-new"
 
     asyncio.run(scenario())
 

@@ -18,6 +18,8 @@ The router asks the cache before it asks a model (docs/cache.md tells it for use
    share one model call.
 5. :class:`CallBatcher` sends the store lookups (and write-backs) of requests that
    arrive together as one call.
+6. :func:`~serve_app.core.cache.fit.misfit` says why a stored value cannot be the answer
+   to the request that found it (then it is a miss, and dropped).
 
 Everything here is plain asyncio; nothing imports ray. Nothing here is thread-safe: each
 object belongs to one event loop.
