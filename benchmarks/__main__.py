@@ -1,7 +1,7 @@
 """python -m benchmarks run --scenario NAME [--quick | --tiny] [--config deployments/local.yaml]
 
 Exits 1 when a scenario failed: it raised, or one of its runs had more than
-ERROR_RATE_LIMIT (benchmarks/registry.py) of its requests failed. Missed targets are
+ERROR_RATE_LIMIT (benchmarks/harness/registry.py) of its requests failed. Missed targets are
 figures, not failures: they are reported, and the exit status stays 0.
 """
 
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         # Before anything imports ray.serve, and before the Ray it starts (see serve_app.ray_env).
         apply_ray_env(enabled=False if args.classic_proxy else None)
 
-    from benchmarks.registry import Context, load_all, run_scenario
+    from benchmarks.harness.registry import Context, load_all, run_scenario
 
     scenarios = load_all()
     if args.command == "list":
@@ -58,9 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown scenario(s) {unknown}; choose from {', '.join(scenarios)}")
 
-    from benchmarks import report
-    from benchmarks.machine import machine_info
-    from benchmarks.service import BenchCluster, load_application
+    from benchmarks.harness import report
+    from benchmarks.harness.machine import machine_info
+    from benchmarks.harness.service import BenchCluster, load_application
 
     command = "python -m benchmarks " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     cluster = BenchCluster(args.address)

@@ -369,7 +369,7 @@ class CallOutcomes:
 class ModelServerAPI(Protocol):
     """What the router calls on a model deployment's replica: the one declared API that
     the real replica (``serve_app.replica.model_server.ModelServer``) and the benchmark
-    stubs (``benchmarks.stubs``) implement, so neither can lack a method the router
+    stubs (``benchmarks.harness.stubs``) implement, so neither can lack a method the router
     relies on (tests/unit/test_model_server_api.py checks both against this class)."""
 
     async def infer(self, call: ModelCall) -> ModelResult:

@@ -1,5 +1,5 @@
 """The benchmark harness without Ray: a failed run fails its scenario (checks, report,
-exit status), scenarios register through benchmarks.registry, and the stub replicas
+exit status), scenarios register through benchmarks.harness.registry, and the stub replicas
 speak the typed replica contract (serve_app.core.calls)."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import pytest
 pytest.importorskip("aiohttp")
 pytest.importorskip("ray")
 
-from benchmarks import registry, report  # noqa: E402
-from benchmarks.loadgen import RunResult  # noqa: E402
-from benchmarks.registry import ERROR_RATE_LIMIT, RunFailed, ScenarioResult, ScenarioSkipped  # noqa: E402
+from benchmarks.harness import registry, report  # noqa: E402
+from benchmarks.harness.loadgen import RunResult  # noqa: E402
+from benchmarks.harness.registry import ERROR_RATE_LIMIT, RunFailed, ScenarioResult, ScenarioSkipped  # noqa: E402
 from serve_app.core.calls import ClassifyCall, EmbedCall, EmbedResult, GenerateCall, ModelInfo  # noqa: E402
 from serve_app.core.errors import DeadlineExceededError, InvalidRequestError  # noqa: E402
 
@@ -130,7 +130,7 @@ def _stub(deployment, *args, **kwargs):
 
 
 def test_stubs_answer_embed_calls_with_typed_results():
-    from benchmarks.stubs import ConstantEmbedder, EmulatedAccelerator
+    from benchmarks.harness.stubs import ConstantEmbedder, EmulatedAccelerator
 
     async def main():
         for stub in (_stub(ConstantEmbedder, 4), _stub(EmulatedAccelerator, 4, 2, 0.01)):
@@ -148,7 +148,7 @@ def test_stubs_answer_embed_calls_with_typed_results():
 
 
 def test_stubs_refuse_other_calls_and_honour_deadlines():
-    from benchmarks.stubs import ConstantEmbedder, EmulatedAccelerator
+    from benchmarks.harness.stubs import ConstantEmbedder, EmulatedAccelerator
 
     async def main():
         constant = _stub(ConstantEmbedder, 4)

@@ -8,16 +8,17 @@ import pytest
 
 pytest.importorskip("aiohttp")
 
-from benchmarks.registry import ScenarioResult, load_all  # noqa: E402
+from benchmarks.harness.registry import ScenarioResult, load_all  # noqa: E402
 
-# Import every scenario module in the registry's order first: importing benchmarks.engines
-# alone at collection time would register it ahead of the others.
+# Import every scenario module in the registry's order first: importing
+# benchmarks.scenarios.engines alone at collection time would register it ahead of the others.
 load_all()
 
-from benchmarks import engines  # noqa: E402
-from benchmarks.engines import OURS, RAY_LLM, VLLM_SERVER, VLLM_SERVER_NO_PREFIX  # noqa: E402
-from benchmarks.peers import EngineSettings  # noqa: E402
-from benchmarks.workloads import TRACE  # noqa: E402
+from benchmarks.data import prompts, workloads  # noqa: E402
+from benchmarks.data.workloads import TRACE  # noqa: E402
+from benchmarks.peers.engines import EngineSettings  # noqa: E402
+from benchmarks.scenarios import engines  # noqa: E402
+from benchmarks.scenarios.engines import OURS, RAY_LLM, VLLM_SERVER, VLLM_SERVER_NO_PREFIX  # noqa: E402
 
 
 def test_engines_is_registered():
@@ -25,37 +26,37 @@ def test_engines_is_registered():
 
 
 def test_scale_lengths_divides_and_clips():
-    assert engines.scale_lengths(1600, 20, prompt_scale=8, output_scale=1) == (200, 20)
-    assert engines.scale_lengths(3, 1) == (engines.PROMPT_TOKENS_BOUNDS[0], engines.OUTPUT_TOKENS_BOUNDS[0])
-    assert engines.scale_lengths(10**6, 10**6) == (engines.PROMPT_TOKENS_BOUNDS[1], engines.OUTPUT_TOKENS_BOUNDS[1])
+    assert workloads.scale_lengths(1600, 20, prompt_scale=8, output_scale=1) == (200, 20)
+    assert workloads.scale_lengths(3, 1) == (workloads.PROMPT_TOKENS_BOUNDS[0], workloads.OUTPUT_TOKENS_BOUNDS[0])
+    assert workloads.scale_lengths(10**6, 10**6) == (workloads.PROMPT_TOKENS_BOUNDS[1], workloads.OUTPUT_TOKENS_BOUNDS[1])
     # prompt + output always fit the context every system is given
-    assert engines.PROMPT_TOKENS_BOUNDS[1] + engines.OUTPUT_TOKENS_BOUNDS[1] + 64 <= engines.MAX_MODEL_LEN
+    assert workloads.PROMPT_TOKENS_BOUNDS[1] + workloads.OUTPUT_TOKENS_BOUNDS[1] + 64 <= engines.MAX_MODEL_LEN
 
 
 def test_sample_lengths_is_seeded_and_keeps_rows_joint():
     rows = [(800, 10), (8000, 300), (80, 5)]
-    a = engines.sample_lengths(rows, 50, seed=1)
-    assert a == engines.sample_lengths(rows, 50, seed=1)
-    assert a != engines.sample_lengths(rows, 50, seed=2)
-    allowed = {engines.scale_lengths(*row) for row in rows}
+    a = workloads.sample_lengths(rows, 50, seed=1)
+    assert a == workloads.sample_lengths(rows, 50, seed=1)
+    assert a != workloads.sample_lengths(rows, 50, seed=2)
+    allowed = {workloads.scale_lengths(*row) for row in rows}
     assert set(a) <= allowed and len(set(a)) > 1
     with pytest.raises(ValueError):
-        engines.sample_lengths([], 3)
+        workloads.sample_lengths([], 3)
 
 
 @pytest.mark.skipif(not TRACE.is_file(), reason="the Azure trace is not on this machine")
 def test_trace_lengths_scaled_for_a_cpu():
-    rows = engines.read_trace_lengths()
+    rows = workloads.read_trace_lengths()
     assert len(rows) > 1000
-    sampled = engines.sample_lengths(rows, 400)
+    sampled = workloads.sample_lengths(rows, 400)
     prompts = sorted(p for p, _ in sampled)
     outputs = sorted(o for _, o in sampled)
     assert 100 <= prompts[len(prompts) // 2] <= 300  # trace median 1,469 / 8
-    assert outputs[len(outputs) // 2] <= 30 and max(outputs) <= engines.OUTPUT_TOKENS_BOUNDS[1]
+    assert outputs[len(outputs) // 2] <= 30 and max(outputs) <= workloads.OUTPUT_TOKENS_BOUNDS[1]
 
 
 def test_chat_requests_are_unique_and_sized():
-    requests = engines.chat_requests([(100, 20), (100, 20), (400, 300)], max_tokens_cap=64)
+    requests = workloads.chat_requests([(100, 20), (100, 20), (400, 300)], max_tokens_cap=64)
     assert len({r.prompt for r in requests}) == 3
     assert [r.max_tokens for r in requests] == [20, 20, 64]
     words = [len(r.prompt.split()) for r in requests]
@@ -63,9 +64,9 @@ def test_chat_requests_are_unique_and_sized():
 
 
 def test_customer_service_shape():
-    prompt = engines.policy_prompt()
+    prompt = prompts.policy_prompt()
     assert len(prompt.split()) >= 800  # ~1,100 SmolLM2 tokens
-    questions = engines.customer_questions(200)
+    questions = prompts.customer_questions(200)
     assert len(set(questions)) == 200 and max(len(q.split()) for q in questions) < 30
     make = engines.customer_factory("chat", prompt, questions, 32)
     path, body = make(5)

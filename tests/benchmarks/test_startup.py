@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.peers import vllm_cli_flags
-from benchmarks.registry import load_all
-from benchmarks.service import load_models, pick_model
-from benchmarks.startup import _our_config
+from benchmarks.harness.registry import load_all
+from benchmarks.harness.service import load_models, pick_model
+from benchmarks.peers.engines import vllm_cli_flags
+from benchmarks.scenarios.startup import _our_config
 from serve_app.config import ModelConfig
 from serve_app.replica.vllm.runtime import engine_args
 
@@ -24,7 +24,7 @@ def test_startup_is_registered():
 
 
 def test_flags_spell_each_kind_of_value(monkeypatch):
-    monkeypatch.setattr("benchmarks.peers._vllm_parser", lambda: None)  # the spelling, whether vLLM is here or not
+    monkeypatch.setattr("benchmarks.peers.engines._vllm_parser", lambda: None)  # the spelling, whether vLLM is here or not
     flags = vllm_cli_flags({"model": "/m", "dtype": "bfloat16", "max_model_len": 2048, "max_num_batched_tokens": None,
                             "enforce_eager": False, "enable_prefix_caching": True, "hf_overrides": {"a": 1}})
     assert flags == ["--dtype", "bfloat16", "--max-model-len", "2048", "--no-enforce-eager",
@@ -44,7 +44,7 @@ def test_our_config_is_the_shipped_model_on_vllm_with_its_own_cache(task, tmp_pa
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 @pytest.mark.parametrize("task", ["text-generation", "embedding"])
 def test_vllm_parses_the_flags_back_to_our_engine_arguments(task, tmp_path):
-    from benchmarks.peers import _vllm_parser
+    from benchmarks.peers.engines import _vllm_parser
 
     base = pick_model(load_models(LOCAL_YAML), task)
     config = ModelConfig.model_validate({**_our_config(base, str(tmp_path)), "precision": "bf16"})

@@ -1,5 +1,5 @@
 """On Ray's fake multi-node provider, the daily profile's peak makes the Ray autoscaler add
-GPU nodes, and the evening makes it remove them again (benchmarks/fake_cluster.py).
+GPU nodes, and the evening makes it remove them again (benchmarks/harness/fake_cluster.py).
 
 The simulation runs in a subprocess with its own Ray cluster (private temp dir and
 ports), so it can share a pytest session with tests/integration and its ray.init().
@@ -34,7 +34,7 @@ def test_gpu_nodes_follow_the_daily_peak(tmp_path):
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
     env.pop("RAY_ADDRESS", None)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "benchmarks.fake_cluster", "--out", str(out)],
+        [sys.executable, "-m", "benchmarks.harness.fake_cluster", "--out", str(out)],
         cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:

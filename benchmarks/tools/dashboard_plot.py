@@ -1,6 +1,6 @@
 """The main panels of dashboards/serve_app.json, drawn from a live deployment without Grafana.
 
-    python -m benchmarks.dashboard_plot --url http://127.0.0.1:8000 \\
+    python -m benchmarks.tools.dashboard_plot --url http://127.0.0.1:8000 \\
         --metrics http://127.0.0.1:8080/metrics --duration-s 150 --out docs/dashboard.png
 
 Sends a mixed load to a running deployment (deployments/local.yaml: embeddings to
@@ -235,7 +235,7 @@ async def run(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.dashboard_plot", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.tools.dashboard_plot", description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="the deployment's HTTP address")
     parser.add_argument("--metrics", default="http://127.0.0.1:8080/metrics", help="its Prometheus endpoint")
     parser.add_argument("--duration-s", type=float, default=150)

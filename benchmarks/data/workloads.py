@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 # Plain English words, so tokenizers see realistic sub-word counts (~1.3 tokens/word).
 _WORDS = (
@@ -46,7 +48,7 @@ CHAT_PROMPTS = [
 ]
 
 
-TRACE = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "AzureLLMInferenceTrace_code.csv"
+TRACE = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "AzureLLMInferenceTrace_code.csv"
 # Attribution for figures made from the trace (CC-BY 4.0).
 TRACE_ATTRIBUTION = (
     "Azure LLM inference trace 2023 (Azure Public Dataset, CC-BY 4.0); Patel et al., "
@@ -77,3 +79,67 @@ def trace_requests(count: int, *, rate_per_s: float, tokens_per_word: int = 40, 
         words = min(128, max(4, int(row["ContextTokens"]) // tokens_per_word))
         texts.append(" ".join(rng.choice(_WORDS) for _ in range(words)))
     return [o * scale for o in offsets], texts
+
+
+# ---- chat requests shaped by the trace's lengths (the engines scenario) -----------------
+
+# The Azure code trace's prompts (median 1,469, max 7,437 tokens) are divided by 8 so
+# the median is ~180 tokens and the longest fit the 2,048-token context with their
+# output (the engines scenario's MAX_MODEL_LEN); outputs (median 13, p99 251) are kept
+# as they are, capped at 256.
+PROMPT_SCALE, OUTPUT_SCALE = 8, 1
+PROMPT_TOKENS_BOUNDS = (8, 1024)
+OUTPUT_TOKENS_BOUNDS = (4, 256)
+# _WORDS's plain words through SmolLM2's tokenizer: about one token each (measured: 929
+# nominal tokens -> 929 words -> ~940 tokens with the instruction)
+TOKENS_PER_WORD = 1.0
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    prompt: str
+    prompt_tokens: int  # nominal: from the trace, scaled
+    max_tokens: int
+
+
+def scale_lengths(context_tokens: int, generated_tokens: int, *, prompt_scale: float = PROMPT_SCALE,
+                  output_scale: float = OUTPUT_SCALE, prompt_bounds: tuple[int, int] = PROMPT_TOKENS_BOUNDS,
+                  output_bounds: tuple[int, int] = OUTPUT_TOKENS_BOUNDS) -> tuple[int, int]:
+    """One trace row's (ContextTokens, GeneratedTokens), scaled down and clipped."""
+    prompt = min(prompt_bounds[1], max(prompt_bounds[0], int(round(context_tokens / prompt_scale))))
+    output = min(output_bounds[1], max(output_bounds[0], int(round(generated_tokens / output_scale))))
+    return prompt, output
+
+
+def read_trace_lengths(path: Path = TRACE) -> list[tuple[int, int]]:
+    """(ContextTokens, GeneratedTokens) of every row of the Azure trace."""
+    import csv
+
+    with open(path) as handle:
+        return [(int(row["ContextTokens"]), int(row["GeneratedTokens"])) for row in csv.DictReader(handle)]
+
+
+def sample_lengths(rows: list[tuple[int, int]], count: int, *, seed: int = 23, **scaling) -> list[tuple[int, int]]:
+    """``count`` rows drawn at random (seeded, with replacement) from the trace, scaled
+    by :func:`scale_lengths`; the joint prompt/output distribution is kept."""
+    if not rows:
+        raise ValueError("the trace has no rows")
+    rng = random.Random(seed)
+    return [scale_lengths(*rng.choice(rows), **scaling) for _ in range(count)]
+
+
+def words_for_tokens(tokens: int, tokens_per_word: float = TOKENS_PER_WORD) -> int:
+    return max(1, int(round(tokens / tokens_per_word)))
+
+
+def chat_requests(lengths: list[tuple[int, int]], *, seed: int = 29,
+                  max_tokens_cap: Optional[int] = None) -> list[ChatRequest]:
+    """Unique prompts of the given (nominal) token lengths: a short instruction and random
+    plain words, so no two requests share more than the instruction."""
+    rng = random.Random(seed)
+    out = []
+    for i, (prompt_tokens, max_tokens) in enumerate(lengths):
+        words = " ".join(rng.choice(_WORDS) for _ in range(words_for_tokens(prompt_tokens)))
+        prompt = f"Note {i}. Summarize these notes in plain English: {words}"
+        out.append(ChatRequest(prompt, prompt_tokens, min(max_tokens, max_tokens_cap or max_tokens)))
+    return out

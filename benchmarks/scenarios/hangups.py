@@ -19,8 +19,8 @@ import time
 import aiohttp
 import httpx
 
-from benchmarks.registry import TEXTS, Context, ScenarioResult, model_stats, scenario
-from benchmarks.service import pick_model
+from benchmarks.harness.registry import TEXTS, Context, ScenarioResult, model_stats, scenario
+from benchmarks.harness.service import pick_model
 
 CONCURRENCY = 64
 IMPATIENT_SHARE = 1 / 3

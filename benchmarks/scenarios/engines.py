@@ -9,8 +9,8 @@
   same vLLM CPU build, in the benchmark's Ray instance.
 
 Every system gets the same precision, context window, batch cap, prefix-caching setting
-and KV cache size (:class:`benchmarks.peers.EngineSettings`), and the same requests over
-HTTP from the project's load generator. Systems run one after another, never two engines
+and KV cache size (:class:`benchmarks.peers.engines.EngineSettings`), and the same requests
+over HTTP from the project's load generator. Systems run one after another, never two engines
 loaded at once (2 cores): each is started, warmed up, measured and stopped (by its own
 pid or application name) before the next starts. Our response cache is off. Our
 transformers runtime runs with the run's --gen-torch-threads / --torch-threads (1 by
@@ -29,29 +29,41 @@ Loads:
 - ``chat``: streamed chat completions at concurrency 16; each request's prompt and output
   length is drawn (seeded) from the Azure LLM code trace, prompt tokens divided by
   ``PROMPT_SCALE`` and clipped, output tokens (max_tokens) divided by ``OUTPUT_SCALE`` and
-  clipped; generated tokens/s, time to first token and latency.
+  clipped (:mod:`benchmarks.data.workloads`); generated tokens/s, time to first token and
+  latency.
 - ``embeddings``: the registry's 256 mixed-length texts (4..128 words), one per request,
   at concurrency 32; embeddings/s (= requests/s) and latency.
 - ``customer-service``: one long shared system prompt of policy text (about 1,100 tokens)
-  and short customer questions, streamed at concurrency 8; time to first token and
-  tokens/s. vLLM's server runs it twice, prefix cache on and off, to show what its prefix
-  cache is worth.
+  and short customer questions (:mod:`benchmarks.data.prompts`), streamed at concurrency 8;
+  time to first token and tokens/s. vLLM's server runs it twice, prefix cache on and off,
+  to show what its prefix cache is worth.
 """
 
 from __future__ import annotations
 
 import math
 import os
-import random
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
-from benchmarks.loadgen import RunResult
-from benchmarks.peers import EngineSettings, VLLMServer, ray_serve_llm_app
-from benchmarks.registry import (
+from benchmarks.data.prompts import customer_questions, policy_prompt
+from benchmarks.data.workloads import (
+    OUTPUT_SCALE,
+    OUTPUT_TOKENS_BOUNDS,
+    PROMPT_SCALE,
+    PROMPT_TOKENS_BOUNDS,
+    TRACE,
+    TRACE_ATTRIBUTION,
+    ChatRequest,
+    chat_requests,
+    read_trace_lengths,
+    sample_lengths,
+)
+from benchmarks.harness.loadgen import RunResult
+from benchmarks.harness.registry import (
     TEXTS,
     Context,
     RunFailed,
@@ -61,20 +73,12 @@ from benchmarks.registry import (
     run_closed,
     scenario,
 )
-from benchmarks.service import pick_model, variant
-from benchmarks.workloads import _WORDS, TRACE, TRACE_ATTRIBUTION
+from benchmarks.harness.service import pick_model, variant
+from benchmarks.peers.engines import EngineSettings, VLLMServer, ray_serve_llm_app
+from benchmarks.tools import engines_plot
 
-# ---- the loads (pure) -------------------------------------------------------------------
+# ---- the loads (pure; their lengths and text are in benchmarks.data) --------------------
 
-# The Azure code trace's prompts (median 1,469, max 7,437 tokens) are divided by 8 so
-# the median is ~180 tokens and the longest fit the 2,048-token context with their
-# output; outputs (median 13, p99 251) are kept as they are, capped at 256.
-PROMPT_SCALE, OUTPUT_SCALE = 8, 1
-PROMPT_TOKENS_BOUNDS = (8, 1024)
-OUTPUT_TOKENS_BOUNDS = (4, 256)
-# workloads' plain words through SmolLM2's tokenizer: about one token each (measured: 929
-# nominal tokens -> 929 words -> ~940 tokens with the instruction)
-TOKENS_PER_WORD = 1.0
 MAX_MODEL_LEN = 2048
 CHAT_BATCH = 16  # max_num_seqs / max_batch_size for every chat system (= the chat concurrency)
 EMBED_BATCH = 32  # the same for embeddings (= the embeddings concurrency)
@@ -85,147 +89,6 @@ CS_MAX_TOKENS = 32
 SYSTEMS = ("ours-vllm", "ours-transformers", "vllm-server", "ray-serve-llm")
 OURS, VLLM_SERVER, RAY_LLM = "ours-vllm", "vllm-server", "ray-serve-llm"
 VLLM_SERVER_NO_PREFIX = "vllm-server (prefix cache off)"
-
-
-@dataclass(frozen=True)
-class ChatRequest:
-    prompt: str
-    prompt_tokens: int  # nominal: from the trace, scaled
-    max_tokens: int
-
-
-def scale_lengths(context_tokens: int, generated_tokens: int, *, prompt_scale: float = PROMPT_SCALE,
-                  output_scale: float = OUTPUT_SCALE, prompt_bounds: tuple[int, int] = PROMPT_TOKENS_BOUNDS,
-                  output_bounds: tuple[int, int] = OUTPUT_TOKENS_BOUNDS) -> tuple[int, int]:
-    """One trace row's (ContextTokens, GeneratedTokens), scaled down and clipped."""
-    prompt = min(prompt_bounds[1], max(prompt_bounds[0], int(round(context_tokens / prompt_scale))))
-    output = min(output_bounds[1], max(output_bounds[0], int(round(generated_tokens / output_scale))))
-    return prompt, output
-
-
-def read_trace_lengths(path: Path = TRACE) -> list[tuple[int, int]]:
-    """(ContextTokens, GeneratedTokens) of every row of the Azure trace."""
-    import csv
-
-    with open(path) as handle:
-        return [(int(row["ContextTokens"]), int(row["GeneratedTokens"])) for row in csv.DictReader(handle)]
-
-
-def sample_lengths(rows: list[tuple[int, int]], count: int, *, seed: int = 23, **scaling) -> list[tuple[int, int]]:
-    """``count`` rows drawn at random (seeded, with replacement) from the trace, scaled
-    by :func:`scale_lengths`; the joint prompt/output distribution is kept."""
-    if not rows:
-        raise ValueError("the trace has no rows")
-    rng = random.Random(seed)
-    return [scale_lengths(*rng.choice(rows), **scaling) for _ in range(count)]
-
-
-def words_for_tokens(tokens: int, tokens_per_word: float = TOKENS_PER_WORD) -> int:
-    return max(1, int(round(tokens / tokens_per_word)))
-
-
-def chat_requests(lengths: list[tuple[int, int]], *, seed: int = 29,
-                  max_tokens_cap: Optional[int] = None) -> list[ChatRequest]:
-    """Unique prompts of the given (nominal) token lengths: a short instruction and random
-    plain words, so no two requests share more than the instruction."""
-    rng = random.Random(seed)
-    out = []
-    for i, (prompt_tokens, max_tokens) in enumerate(lengths):
-        words = " ".join(rng.choice(_WORDS) for _ in range(words_for_tokens(prompt_tokens)))
-        prompt = f"Note {i}. Summarize these notes in plain English: {words}"
-        out.append(ChatRequest(prompt, prompt_tokens, min(max_tokens, max_tokens_cap or max_tokens)))
-    return out
-
-
-_POLICY_SECTIONS = [
-    ("Returns", "Customers may return most items within 30 days of delivery for a full refund, provided the item "
-     "is unused, in its original packaging and accompanied by the receipt or order number. Items marked as final "
-     "sale, gift cards, opened software, personal care products and perishable goods cannot be returned. Returns "
-     "of large furniture must be scheduled with the logistics team, who will collect the item from the address "
-     "it was delivered to."),
-    ("Refunds", "Refunds are issued to the original payment method within five business days after the returned "
-     "item arrives at our warehouse and passes inspection. Shipping charges are refunded only when the return is "
-     "caused by our error, such as a damaged, defective or incorrect item. If the original payment method is no "
-     "longer available, the agent may offer store credit of the same value, which never expires."),
-    ("Exchanges", "An item may be exchanged once for a different size or colour of the same product at no extra "
-     "cost, if the replacement is in stock. If the replacement costs more, the customer pays the difference; if it "
-     "costs less, the difference is refunded. Exchanges for a different product are handled as a return followed by "
-     "a new order."),
-    ("Shipping", "Standard shipping takes three to seven business days and is free for orders above 50 dollars. "
-     "Express shipping takes one to two business days and costs 15 dollars. Orders placed before 2 pm on a business "
-     "day leave the warehouse the same day. We ship to every state and to Canada, but not to post office boxes for "
-     "items heavier than 20 kilograms."),
-    ("Late or lost parcels", "A parcel that has not arrived ten business days after it was shipped is treated as "
-     "lost. The agent opens a claim with the carrier and, without waiting for its outcome, offers either a "
-     "replacement shipped by express at no cost or a full refund. A parcel marked as delivered but not received "
-     "requires the customer to confirm the address and check with neighbours before a claim is opened."),
-    ("Damaged items", "Customers who receive a damaged item should send a photo of the item and of its packaging "
-     "within 48 hours of delivery. The agent may then offer a replacement, a partial refund of up to 30 percent if "
-     "the customer keeps the item, or a full refund after the item is collected. Customers are never asked to pay "
-     "for the return of a damaged item."),
-    ("Warranty", "Electronics and appliances carry a two-year warranty against manufacturing defects from the date "
-     "of delivery. The warranty does not cover accidental damage, water damage, normal wear, batteries after the "
-     "first year, or repairs made by third parties. Under warranty we repair the item, replace it, or refund it if "
-     "neither repair nor replacement is possible, in that order of preference."),
-    ("Order changes and cancellations", "An order can be changed or cancelled free of charge until it leaves the "
-     "warehouse. After that, the customer must refuse the delivery or return the item under the returns policy. "
-     "Address changes after shipping are possible only with carriers that offer redirection, and the customer "
-     "pays any fee the carrier charges for it."),
-    ("Payments", "We accept the major credit and debit cards, PayPal, bank transfer and gift cards. Cards are "
-     "charged when the order ships, not when it is placed. Orders paid by bank transfer are held for up to three "
-     "business days until the payment arrives. Agents must never ask for or write down a full card number, a card "
-     "security code or an online banking password."),
-    ("Price matching", "If a customer finds the same item at a lower price from a major retailer within 14 days of "
-     "purchase, we refund the difference once per item. Price matching does not apply to marketplace sellers, "
-     "auctions, clearance sales, bundles or prices that require a membership."),
-    ("Accounts and privacy", "Before discussing an order, the agent confirms the customer's identity with the email "
-     "address on the account and either the order number or the last four digits of the card used. Customers may "
-     "ask for a copy of their personal data or for its deletion; the agent forwards such requests to the privacy "
-     "team, who answer within 30 days. We never share customer data with advertisers."),
-    ("Loyalty programme", "Members earn one point per dollar spent and can redeem 100 points for a five-dollar "
-     "discount. Points expire 18 months after they were earned. Points are removed when the purchase that earned "
-     "them is returned. Members get free express shipping on orders above 100 dollars."),
-    ("Escalation", "The agent escalates to a supervisor when a customer asks for compensation above 100 dollars, "
-     "reports an injury or a safety problem with a product, threatens legal action, or has contacted us more than "
-     "three times about the same issue. Safety reports are also sent to the product safety team the same day."),
-    ("Tone", "Agents are polite, brief and specific. They apologise once when we made a mistake, explain what will "
-     "happen next and by when, and never promise anything this policy does not allow. When the policy does not "
-     "cover a case, the agent says so and offers to escalate instead of guessing."),
-]
-
-
-def policy_prompt() -> str:
-    """The customer-service system prompt: a store's support policy (about 1,000 words)."""
-    sections = "\n\n".join(f"{n}. {title}. {text}" for n, (title, text) in enumerate(_POLICY_SECTIONS, 1))
-    return ("You are a customer support agent for Northwind Home, an online store for furniture, electronics and "
-            "household goods. Answer the customer's question in two or three sentences, following this policy "
-            "exactly.\n\n" + sections)
-
-
-_QUESTIONS = [
-    "Can I return a sofa I bought three weeks ago?",
-    "My parcel says delivered but it is not here. What now?",
-    "How long does a refund take?",
-    "Can I swap my blue kettle for the red one?",
-    "Do you ship to Canada?",
-    "My toaster stopped working after 14 months. Is it covered?",
-    "Can I cancel my order? It shipped yesterday.",
-    "The lamp arrived broken. What can you do?",
-    "I found the same TV cheaper elsewhere. Will you match it?",
-    "When do my loyalty points expire?",
-    "Can you delete my account data?",
-    "Why was my card not charged yet?",
-    "Is express shipping worth it for a Friday order?",
-    "Can I return a gift card?",
-    "I paid by bank transfer. Why is my order on hold?",
-    "Can I change the delivery address after shipping?",
-]
-
-
-def customer_questions(count: int) -> list[str]:
-    """Short customer questions, each with its own order number (no two alike)."""
-    return [f"{_QUESTIONS[i % len(_QUESTIONS)]} My order number is {100_000 + 7919 * i % 900_000}."
-            for i in range(count)]
 
 
 def _stream_opts() -> dict:
@@ -520,7 +383,7 @@ def engines(ctx: Context) -> ScenarioResult:
     if failures:
         result.error = "; ".join(failures)
     try:
-        _plot(result, Path(ctx.out_dir))
+        engines_plot.plot(result, Path(ctx.out_dir), (*SYSTEMS, VLLM_SERVER_NO_PREFIX))
     except Exception as exc:  # a plot is a nicety; the figures are in the table
         print(f"   engines plot not drawn: {exc}", flush=True)
     return result
@@ -531,7 +394,7 @@ def _warm_up(url: str, spec: dict, count: int) -> None:
     all at once, not recorded: the first calls of an engine are slow."""
     import asyncio
 
-    from benchmarks.loadgen import closed_loop
+    from benchmarks.harness.loadgen import closed_loop
 
     offset = spec["requests"]
     asyncio.run(closed_loop(url, lambda i: spec["make"](offset + i), concurrency=count, requests=count,
@@ -561,34 +424,3 @@ def _version(dist: str) -> Optional[str]:
         except PackageNotFoundError:
             continue
     return None
-
-
-def _plot(result: ScenarioResult, out_dir: Path) -> Optional[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    panels = [("chat", "tokens_per_s", "chat: generated tokens/s"), ("chat", "p95_ttft_ms", "chat: p95 TTFT (ms)"),
-              ("embeddings", "embeddings_per_s", "embeddings/s"),
-              ("customer-service", "p95_ttft_ms", "customer-service: p95 TTFT (ms)")]
-    rows = [row for row in result.runs if not row.get("failed")]
-    if not rows:
-        return None
-    out_dir.mkdir(parents=True, exist_ok=True)
-    colours = {name: f"C{i}" for i, name in enumerate((*SYSTEMS, VLLM_SERVER_NO_PREFIX))}
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4))
-    for ax, (load, metric, title) in zip(axes, panels):
-        chosen = [row for row in rows if row.get("load") == load and row.get(metric) is not None]
-        ax.bar([row["system"].replace(" (prefix cache off)", "\n(no prefix cache)") for row in chosen],
-               [row[metric] for row in chosen], color=[colours[row["system"]] for row in chosen])
-        ax.set_title(title, fontsize=10)
-        ax.tick_params(axis="x", labelrotation=30, labelsize=8)
-        ax.grid(True, axis="y", alpha=0.3)
-    fig.suptitle("engines: same loads, one system at a time")
-    fig.text(0.01, 0.01, "chat lengths: " + TRACE_ATTRIBUTION, fontsize=6)
-    fig.tight_layout(rect=(0, 0.04, 1, 1))
-    path = out_dir / "engines.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path

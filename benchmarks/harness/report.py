@@ -6,8 +6,8 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-from benchmarks.machine import machine_line
-from benchmarks.registry import ERROR_RATE_LIMIT
+from benchmarks.harness.machine import machine_line
+from benchmarks.harness.registry import ERROR_RATE_LIMIT
 
 _COLUMNS = ["variant", "concurrency", "requests", "errors", "throughput_rps", "p50_ms", "p95_ms", "p99_ms"]
 _EXTRA = ["padding_efficiency", "model_calls_per_batch", "tokens_per_s", "mean_batch_rows", "p50_ttft_ms", "p95_ttft_ms",

@@ -23,9 +23,9 @@ import random
 from pathlib import Path
 from typing import Optional
 
-from benchmarks.loadgen import RunResult, open_loop
-from benchmarks.registry import Context, ScenarioResult, run_open, scenario
-from benchmarks.service import pick_model, variant
+from benchmarks.harness.loadgen import RunResult, open_loop
+from benchmarks.harness.registry import Context, ScenarioResult, run_open, scenario
+from benchmarks.harness.service import pick_model, variant
 
 MIN_TOKENS, MAX_TOKENS = 8, 256
 TINY_TOKENS = (2, 8)  # tiny mode: the same log-uniform mix, over 2..8 tokens

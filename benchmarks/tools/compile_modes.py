@@ -1,8 +1,8 @@
 """vLLM's compile modes on the CPU, side by side: engine start (cold: empty caches, warm:
 caches filled by the cold start) and throughput right after start and once warm.
 
-    python -m benchmarks.compile_modes            # every mode, MiniLM and SmolLM2
-    python -m benchmarks.compile_modes --one aot0 smollm2 /tmp/cache   # one start (what the loop runs)
+    python -m benchmarks.tools.compile_modes            # every mode, MiniLM and SmolLM2
+    python -m benchmarks.tools.compile_modes --one aot0 smollm2 /tmp/cache   # one start (what the loop runs)
 
 Modes: ``aot`` (vLLM 0.32's default: its AOT artifact, which never loads on the CPU, so
 every start compiles), ``aot0`` (VLLM_USE_AOT_COMPILE=0: inductor's own caches, what
@@ -53,7 +53,7 @@ def one_start(mode: str, model: str, cache: str) -> dict:
     engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args(config, resolve_source(source))))
     out = {"mode": mode, "model": model, "engine_start_s": round(time.perf_counter() - started, 1)}
     tokenizer = engine.get_tokenizer()
-    words = (Path(__file__).resolve().parents[1] / "README.md").read_text().split()
+    words = (Path(__file__).resolve().parents[2] / "README.md").read_text().split()
 
     async def embeddings() -> None:
         texts = [" ".join(words[i * 7 % 5000: i * 7 % 5000 + 4 + (i * 37) % 120]) for i in range(256)]
@@ -103,8 +103,8 @@ def main(argv: list[str]) -> None:
             with tempfile.TemporaryDirectory() as cache:
                 for start in ("cold", "warm"):
                     begun = time.perf_counter()
-                    run = subprocess.run([sys.executable, "-m", "benchmarks.compile_modes", "--one", mode, model, cache],
-                                         capture_output=True, text=True)
+                    run = subprocess.run([sys.executable, "-m", "benchmarks.tools.compile_modes", "--one", mode, model,
+                                          cache], capture_output=True, text=True)
                     line = next((x for x in run.stdout.splitlines() if x.startswith("RESULT ")), None)
                     result = json.loads(line[7:]) if line else {"error": run.stderr[-400:]}
                     print(json.dumps({"start": start, **result, "process_s": round(time.perf_counter() - begun, 1)}),

@@ -11,7 +11,7 @@ differ only in how their model deployment scales:
 - ``fixed-peak``: a fixed fleet sized for the peak.
 
 Each copy is the real HTTP proxy and Router in front of a model deployment whose
-replicas emulate an accelerator (``benchmarks.stubs.EmulatedAccelerator``: a fixed
+replicas emulate an accelerator (``benchmarks.harness.stubs.EmulatedAccelerator``: a fixed
 number of requests in flight, each taking a fixed service time) because two CPU cores
 cannot host several independent GPUs; what is measured is the scaling, not the model.
 Replica start-up is real: a new replica process takes seconds here, which the compressed
@@ -31,7 +31,7 @@ from typing import Any, Optional
 
 import aiohttp
 
-from benchmarks.registry import Context, ScenarioResult, scenario
+from benchmarks.harness.registry import Context, ScenarioResult, scenario
 
 # Offered load in requests/s (real seconds) at each hour of the simulated day; linear
 # in between. The morning ramp (06:00 -> 09:00) goes from 1 to 14 requests/s.
@@ -254,7 +254,7 @@ def day(ctx: Context) -> ScenarioResult:
     from serve_app.app import router_app
     from serve_app.config import model_deployment_name, parse_app_config
 
-    from benchmarks.stubs import EmulatedAccelerator
+    from benchmarks.harness.stubs import EmulatedAccelerator
 
     result = ScenarioResult("day", day.__doc__)
     # Tiny: a 12 s day at a fifth of the traffic (the peak within one replica), only to

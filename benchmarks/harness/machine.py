@@ -36,7 +36,7 @@ def cpu_flags() -> list[str]:
 
 def _git_revision() -> str:
     try:
-        root = Path(__file__).resolve().parents[1]
+        root = Path(__file__).resolve().parents[2]
         rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, check=True)
         dirty = subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True).stdout.strip()
         return rev.stdout.strip() + ("-dirty" if dirty else "")

@@ -1,6 +1,6 @@
 """A compressed day of GPU autoscaling on one machine, with Ray's fake multi-node provider.
 
-    .venv/bin/python -m benchmarks.fake_cluster [--out fake-cluster.json]
+    .venv/bin/python -m benchmarks.harness.fake_cluster [--out fake-cluster.json]
 
 What it does, in its own Ray cluster (private temp dir and ports, never the default one):
 
@@ -44,7 +44,7 @@ import yaml
 from benchmarks.harness.processes import free_ports
 from serve_app.config import model_deployment_name
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 APP_NAME = "serve_app"
 MODEL_NAME = "minilm"
 DEPLOYMENT = model_deployment_name(MODEL_NAME)
@@ -566,7 +566,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.fake_cluster", description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.harness.fake_cluster", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", help="write the JSON result here")
     parser.add_argument("--day-length-s", type=float, default=240.0,
@@ -583,7 +583,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    result = {"command": " ".join(["python -m benchmarks.fake_cluster", *(sys.argv[1:] if argv is None else argv)]),
+    result = {"command": " ".join(["python -m benchmarks.harness.fake_cluster", *(sys.argv[1:] if argv is None else argv)]),
               **run(args)}
 
     timings = result["timings_s"]

@@ -24,9 +24,9 @@ from typing import Any, Callable, Optional
 
 import httpx
 
-from benchmarks.loadgen import RunResult, closed_loop, open_loop
-from benchmarks.service import BenchCluster, pick_model, variant
-from benchmarks.workloads import mixed_texts
+from benchmarks.data.workloads import mixed_texts
+from benchmarks.harness.loadgen import RunResult, closed_loop, open_loop
+from benchmarks.harness.service import BenchCluster, pick_model, variant
 
 logger = logging.getLogger("benchmarks")
 
@@ -37,8 +37,13 @@ ERROR_RATE_LIMIT = 0.02
 
 # Every module that defines scenarios; load_all() imports them in this order, which is
 # the order of `python -m benchmarks list` and of `--scenario all`.
-SCENARIO_MODULES = ("benchmarks.scenarios", "benchmarks.day", "benchmarks.generation_mixed", "benchmarks.precision",
-                    "benchmarks.engines", "benchmarks.startup", "benchmarks.hangups")
+SCENARIO_MODULES = (
+    "benchmarks.scenarios.batching", "benchmarks.scenarios.bucketing", "benchmarks.scenarios.ceiling",
+    "benchmarks.scenarios.recipe", "benchmarks.scenarios.generation", "benchmarks.scenarios.cache",
+    "benchmarks.scenarios.trace", "benchmarks.scenarios.day", "benchmarks.scenarios.generation_mixed",
+    "benchmarks.scenarios.precision", "benchmarks.scenarios.engines", "benchmarks.scenarios.startup",
+    "benchmarks.scenarios.hangups",
+)
 
 
 @dataclass

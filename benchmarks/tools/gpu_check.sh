@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The CUDA paths on one GPU, in about 8 minutes once set up, with side-by-side figures:
 #
-#   bash benchmarks/gpu_check.sh            # from the repo root, on a machine with an NVIDIA GPU
+#   bash benchmarks/tools/gpu_check.sh      # from the repo root, on a machine with an NVIDIA GPU
 #
 # What runs (each step under its own timeout; a failed step is reported and the next runs):
 #   setup       a virtualenv with the CUDA builds: `make install` with TORCH_SPEC=torch==2.14.0
@@ -22,7 +22,7 @@
 # The models are the ones deployments/local.yaml ships inside Python packages (SmolLM2-135M,
 # MiniLM-L6), put on the GPU (num_gpus 0.2 each, bf16): nothing is downloaded from the hub.
 # The engines scenario reads the Azure LLM code trace from ../shared/data/ beside the repo;
-# without it that step is skipped (see benchmarks/workloads.py: TRACE).
+# without it that step is skipped (see benchmarks/data/workloads.py: TRACE).
 #
 # Environment (all optional):
 #   GPU_CHECK_VENV   virtualenv to use/create (default: ~/.cache/serve_app/venv-cuda)
@@ -33,7 +33,7 @@
 #   T_SETUP T_SANITY T_ENGINES T_GENERATION T_PRECISION T_BNB   per-step timeouts in seconds
 set -euo pipefail
 
-REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$REPO_ROOT"
 
 VENV="${GPU_CHECK_VENV:-$HOME/.cache/serve_app/venv-cuda}"

@@ -19,8 +19,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from benchmarks.registry import Context, ScenarioResult, embedding_request, requests_for, run_closed, scenario
-from benchmarks.service import pick_model, variant
+from benchmarks.harness.registry import Context, ScenarioResult, embedding_request, requests_for, run_closed, scenario
+from benchmarks.harness.service import pick_model, variant
 from serve_app.optimize import heldout_texts
 
 CONCURRENCY = 16

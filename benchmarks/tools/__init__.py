@@ -1,0 +1,7 @@
+"""Measurements run by hand, outside ``python -m benchmarks run``: vLLM's compile modes
+(``python -m benchmarks.tools.compile_modes``), the semantic cache's hit rates
+(``python -m benchmarks.tools.semantic_pairs``), the dashboard's panels
+(``python -m benchmarks.tools.dashboard_plot``) and the CUDA paths on a GPU machine
+(``bash benchmarks/tools/gpu_check.sh``); and the engines scenario's chart
+(:mod:`benchmarks.tools.engines_plot`).
+"""
