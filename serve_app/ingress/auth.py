@@ -8,6 +8,8 @@ key matched.
 
 from __future__ import annotations
 
+import hashlib
+
 import hmac
 import os
 from dataclasses import dataclass
@@ -85,3 +87,18 @@ class ApiKeys:
         if admin and role is not Role.ADMIN:
             raise PermissionDeniedError("this endpoint needs an admin API key")
         return role
+
+
+def key_identity(authorization: Optional[str]) -> Optional[str]:
+    """A stable hash of the bearer key in an ``Authorization`` header; None without one.
+    The request context carries it as the caller, for the semantic cache's scope
+    (``cache.scope: per_key``): only the hash travels, the raw key never reaches a
+    namespace, a log line or the CacheServer."""
+    if not authorization:
+        return None
+    scheme, _, token = authorization.partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token:
+        return None
+    # Domain-separated so that this hash is good for nothing but telling callers apart.
+    return hashlib.sha256(b"serve_app caller\0" + token.encode()).hexdigest()[:32]

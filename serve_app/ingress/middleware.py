@@ -7,8 +7,9 @@ replica (it pickles it by value), so module globals would not be shared between 
 middleware and the Router; the Router puts its state on the copy it serves (see
 ``Router.__serve_build_asgi_app__``).
 
-Endpoints tell the observer what they learn about a request through
-:func:`serve_app.ingress.notes.note`.
+The observer opens each request's context (``request_context``: id, deadline, caller,
+notes) when it arrives, the guard adds the caller, and endpoints tell the observer what
+they learn through :func:`serve_app.ingress.request_context.note`.
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from serve_app.ingress.auth import ApiKeys
+from serve_app.ingress import request_context
+from serve_app.ingress.auth import ApiKeys, key_identity
+from serve_app.config import RouterConfig
 from serve_app.core.errors import PayloadTooLargeError, ServeAppError
 from serve_app.core.recent import RecentEvents, percentile
-from serve_app.ingress import caller
-from serve_app.ingress import notes as request_notes
 from serve_app.ingress.http_errors import error_response
 from serve_app.metrics import RequestMetrics
 
@@ -68,6 +69,8 @@ class IngressState:
 
     keys: Optional[ApiKeys] = None  # None: auth is off
     max_body_bytes: Optional[int] = None
+    # router.request_timeout_s: each request's deadline counts from its arrival.
+    request_timeout_s: float = RouterConfig.model_fields["request_timeout_s"].default
     traffic: Traffic = field(default_factory=Traffic)
 
 
@@ -90,7 +93,7 @@ class RequestObserver:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        notes, token = request_notes.begin()
+        context, token = request_context.begin(ingress_state(scope["app"]).request_timeout_s)
         status = 500
         started = time.perf_counter()
 
@@ -103,14 +106,14 @@ class RequestObserver:
         try:
             await self.app(scope, receive, send_and_note_status)
         finally:
-            request_notes.end(token)
+            request_context.end(token)
             # The route template, never the raw path: unknown paths must not become labels.
             route = scope.get("route")
             endpoint = getattr(route, "path", None) or "unmatched"
             try:
                 ingress_state(scope["app"]).traffic.observe(
-                    model=notes["model"], endpoint=endpoint, status=status,
-                    latency_s=time.perf_counter() - started, cache=notes["cache"], code=notes["code"])
+                    model=context.model, endpoint=endpoint, status=status,
+                    latency_s=time.perf_counter() - started, cache=context.cache, code=context.code)
             except Exception:  # observing must never fail a request
                 logger.debug("could not record request metrics", exc_info=True)
 
@@ -135,11 +138,10 @@ class IngressGuard:
             headers = {"WWW-Authenticate": "Bearer"} if exc.status_code == 401 else None
             await error_response(exc, headers)(scope, receive, send)
             return
-        token = caller.begin(identity)  # the semantic cache's per_key scope reads it
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            caller.end(token)
+        # The semantic cache's per_key scope reads it. The observer, outside the guard,
+        # opened the context; without it (the guard alone) there is no one to tell.
+        request_context.note(caller=identity)
+        await self.app(scope, receive, send)
 
     @staticmethod
     def _limit_body(limit: Optional[int], scope, receive):
@@ -173,4 +175,4 @@ class IngressGuard:
             return None
         header = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), None)
         keys.authorize(header, admin=path.startswith(_ADMIN_PREFIXES))
-        return caller.key_identity(header)
+        return key_identity(header)

@@ -34,6 +34,7 @@ from serve_app.core.errors import (
 )
 from serve_app.core.shared_tasks import SharedCallCancelled
 from serve_app.ingress.call_gathering import CallGatherer, GatherLimits, gathers
+from serve_app.ingress import request_context
 from serve_app.ingress.http_errors import unwrap
 from serve_app.ray_env import handle_message_budget_bytes
 
@@ -145,20 +146,19 @@ class ModelClient:
         gatherer = getattr(self.backends[model_name], "gatherer", None)
         return None if gatherer is None else gatherer.stats()
 
-    def deadline(self) -> float:
-        """The deadline (time.monotonic()) of a request arriving now. One request's calls
-        (the revision read, the semantic cache's embedding, the model call) all take
-        this one deadline, so a request ends within request_timeout_s of its arrival,
-        not one timeout per call."""
-        return time.monotonic() + self.config.request_timeout_s
+    def request_deadline(self, deadline: Optional[float] = None) -> float:
+        """``deadline`` (time.monotonic()), else the request's (``request_context``): one
+        request's calls (the revision read, the semantic cache's embedding, the model
+        call) all take that one deadline, so a request ends within request_timeout_s of
+        its arrival, not one timeout per call."""
+        return request_context.deadline(self.config.request_timeout_s) if deadline is None else deadline
 
     async def infer(self, model: ModelConfig, call: ModelCall, *, deadline: Optional[float] = None) -> ModelResult:
-        """The model's answer to ``call`` by ``deadline`` (time.monotonic(); default: a
-        request arriving now); rows still queued at the deadline are dropped by the
-        replica rather than computed for nobody."""
-        deadline = self.deadline() if deadline is None else deadline
-        # The replica's clock is the wall clock: the same instant, in its terms.
-        call = dataclasses.replace(call, deadline=time.time() + (deadline - time.monotonic()))
+        """The model's answer to ``call`` by ``deadline`` (time.monotonic(); default: the
+        request's); rows still queued at the deadline are dropped by the replica rather
+        than computed for nobody."""
+        deadline = self.request_deadline(deadline)
+        call = dataclasses.replace(call, deadline=request_context.wall_clock(deadline))
         return await self._unary(model, lambda backend: backend.infer(call), deadline)
 
     async def info(self, model: ModelConfig, *, deadline: Optional[float] = None) -> ModelInfo:
@@ -173,10 +173,10 @@ class ModelClient:
             code="timeout")
 
     async def _unary(self, model: ModelConfig, start, deadline: Optional[float] = None) -> Any:
-        """One call by ``deadline`` (time.monotonic(); default: a request arriving now).
+        """One call by ``deadline`` (time.monotonic(); default: the request's).
         A full queue is a 503 at once; a replica that dies under the call is retried on
         another, a bounded number of times with backoff, while Ray restarts it."""
-        deadline = self.deadline() if deadline is None else deadline
+        deadline = self.request_deadline(deadline)
         for attempt in range(self.config.replica_retries + 1):
             remaining = deadline - time.monotonic()
             if remaining <= 0:  # spent by earlier calls of the request: do not start one more
@@ -209,8 +209,8 @@ class ModelClient:
         Leaving early (client gone, deadline) cancels the model's stream, which frees
         its rows in the batch.
         """
-        deadline = self.deadline() if deadline is None else deadline
-        call = dataclasses.replace(call, deadline=time.time() + (deadline - time.monotonic()))
+        deadline = self.request_deadline(deadline)
+        call = dataclasses.replace(call, deadline=request_context.wall_clock(deadline))
         for attempt in range(self.config.replica_retries + 1):
             events = self.backends[model.name].infer_stream(call)
             started = finished = False

@@ -47,9 +47,8 @@ from serve_app.core.cache.fit import misfit
 from serve_app.core.cache.semantic import semantic_request
 from serve_app.core.shared_tasks import start_shared
 from serve_app.ray_env import handle_message_budget_bytes
-from serve_app.ingress import caller
 from serve_app.ingress.model_client import ModelClient
-from serve_app.ingress.notes import note
+from serve_app.ingress.request_context import current, note
 from serve_app.ingress.revisions import RevisionTracker
 from serve_app.metrics import CacheMetrics
 
@@ -116,9 +115,10 @@ class ResponseCache:
                      deadline: Optional[float] = None) -> tuple[ModelResult, str]:
         """The model's answer to ``call``, from the cache when possible, else from one
         (possibly shared) model call; and the ``x-cache`` header value. ``deadline``
-        (time.monotonic(); default: a request arriving now) covers every call made for
-        it: the revision read, the semantic cache's embedding and the model call."""
-        deadline = self.client.deadline() if deadline is None else deadline
+        (time.monotonic(); None: the request's, which the model client reads from the
+        request context) covers every call made for it: the revision read, the semantic
+        cache's embedding and the model call."""
+        deadline = self.client.request_deadline(deadline)  # fixed once for all of them
         outcome, result = await self._lookup_or_compute(model, call, deadline)
         self.outcomes[(model.name, outcome)] += 1
         self.metrics.outcome(model.name, outcome)
@@ -317,7 +317,8 @@ class ResponseCache:
         shared or with auth off (no keys, so one tenant)."""
         if self.config.scope == "shared":
             return ""
-        return caller.current() or ""
+        context = current()
+        return (context.caller if context is not None else None) or ""
 
     def _hot_get(self, key: str) -> Optional[ModelResult]:
         entry = self._hot.get(key)

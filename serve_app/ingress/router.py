@@ -62,7 +62,8 @@ class Router:
             keys = ApiKeys.load(user_env=auth.api_keys_env, user_file=auth.api_keys_file,
                                 admin_env=auth.admin_keys_env, admin_file=auth.admin_keys_file)
         logger.info("API keys: %s", "required" if keys else "off")
-        self.state = IngressState(keys=keys, max_body_bytes=self.config.router.max_body_bytes)
+        self.state = IngressState(keys=keys, max_body_bytes=self.config.router.max_body_bytes,
+                                  request_timeout_s=self.config.router.request_timeout_s)
         router = self.config.router
         self.client = ModelClient(
             {name: ModelServerBackend(h, self.models[name], gather=router.gather_calls, router=router)

@@ -14,7 +14,7 @@ from serve_app.config import AppConfig, ModelConfig
 from serve_app.core.calls import ModelCall, ModelResult
 from serve_app.core.errors import InvalidRequestError, ModelNotFoundError
 from serve_app.ingress.model_client import ModelClient
-from serve_app.ingress.notes import note
+from serve_app.ingress.request_context import current, note
 from serve_app.ingress.response_cache import ResponseCache
 
 logger = logging.getLogger("ray.serve")
@@ -48,12 +48,14 @@ class Serving:
             )
         return model
 
-    async def answer(self, model: ModelConfig, call: ModelCall, response: Response, deadline: float) -> ModelResult:
+    async def answer(self, model: ModelConfig, call: ModelCall, response: Response) -> ModelResult:
         """The answer from the cache or the model; the response's ``x-cache`` says which."""
-        result, response.headers["x-cache"] = await self.cache.answer(model, call, deadline=deadline)
+        result, response.headers["x-cache"] = await self.cache.answer(model, call)
         return result
 
     def log_payload(self, model: ModelConfig, inputs: Any, outputs: Any = None) -> None:
         """Prompts and answers reach the log only when router.log_payloads asks for it."""
         if self.log_payloads:
-            logger.info("payload model=%s input=%s output=%s", model.name, _clip(inputs), _clip(outputs))
+            context = current()
+            logger.info("payload model=%s request=%s input=%s output=%s", model.name,
+                        context.request_id if context else "-", _clip(inputs), _clip(outputs))

@@ -46,7 +46,7 @@ from serve_app.ingress import http_errors
 from serve_app.ingress.openai import chat as chat_api, classify as classify_api, completions as completions_api, embeddings as embeddings_api, streaming
 from serve_app.ingress.middleware import IngressGuard, IngressState, RequestObserver, ingress_state
 from serve_app.ingress.model_client import ModelClient
-from serve_app.ingress.notes import note
+from serve_app.ingress.request_context import note
 from serve_app.ingress.response_cache import ResponseCache
 from handle_fakes import Pending, Remote
 

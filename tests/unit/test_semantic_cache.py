@@ -34,7 +34,7 @@ from serve_app.core.calls import (
     ModelInfo,
     SamplingParams,
 )
-from serve_app.ingress import caller
+from serve_app.ingress import request_context
 from serve_app.ingress.middleware import IngressGuard, IngressState
 from serve_app.ingress.model_client import ModelClient
 from serve_app.ingress.response_cache import ResponseCache
@@ -267,11 +267,12 @@ def test_another_embedder_revision_is_another_namespace():
 
 def _as(identity, call):
     async def run(cache):
-        token = caller.begin(identity)
+        context, token = request_context.begin(60.0)
+        context.caller = identity
         try:
             return await _ask(cache, call)
         finally:
-            caller.end(token)
+            request_context.end(token)
     return run
 
 
@@ -304,21 +305,25 @@ def test_the_ingress_guard_hands_on_a_hash_of_the_key_never_the_key():
     seen = []
 
     async def app(scope, receive, send):
-        seen.append(caller.current())
+        seen.append(request_context.current().caller)
 
     async def call(keys, key):
         state = IngressState(keys=keys)
         scope = {"type": "http", "path": "/v1/chat/completions",
                  "headers": [(b"authorization", f"Bearer {key}".encode())],
                  "app": SimpleNamespace(state=SimpleNamespace(ingress=state))}
-        await IngressGuard(app)(scope, None, None)
+        _, token = request_context.begin(60.0)  # as the observer, outside the guard, opens it
+        try:
+            await IngressGuard(app)(scope, None, None)
+        finally:
+            request_context.end(token)
 
     keys = ApiKeys((key_a.encode(), key_b.encode()), ())
     for keys_, key in ((keys, key_a), (keys, key_a), (keys, key_b), (None, key_a)):
         asyncio.run(call(keys_, key))
     assert seen[0] == seen[1] and seen[0] != seen[2] and seen[3] is None
     assert key_a not in seen[0] and seen[0] != hashlib.sha256(key_a.encode()).hexdigest()[:32]
-    assert caller.current() is None  # reset after the request
+    assert request_context.current() is None  # reset after the request
 
 
 # ---- the index: bounded memory, holes ------------------------------------------------------

@@ -114,12 +114,11 @@ def classify_response(result: ClassifyResult, model: str) -> dict:
 
 
 async def create(serving: Serving, body: ClassifyBody, response: Response) -> dict:
-    deadline = serving.client.deadline()  # first: every call the request makes shares it
     task = body.task
     endpoint = "/v1/classify with 'input'" if task == "text-classification" else "/v1/classify with 'image'"
     model = serving.model(body.model, task, endpoint)
     call = classify_call(body, model)
-    result = await serving.answer(model, call, response, deadline)
+    result = await serving.answer(model, call, response)
     logged = list(call.texts) if call.texts is not None else f"{len(call.images)} image(s)"
     serving.log_payload(model, logged, result.rankings)
     return classify_response(result, model.name)

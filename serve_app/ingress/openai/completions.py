@@ -111,11 +111,10 @@ class CompletionChunks:
 
 
 async def create(serving: Serving, body: CompletionBody, response: Response):
-    deadline = serving.client.deadline()  # first: every call the request makes shares it
     model = serving.model(body.model, "text-generation", "/v1/completions")
     call = completion_call(body, model)
     if body.stream:
-        return await event_stream(serving, model, call, CompletionChunks(model.name), body.include_usage, deadline)
-    result = await serving.answer(model, call, response, deadline)
+        return await event_stream(serving, model, call, CompletionChunks(model.name), body.include_usage)
+    result = await serving.answer(model, call, response)
     serving.log_payload(model, call.cache_input(), [c.text for c in result.completions])
     return completion_response(result, model.name)

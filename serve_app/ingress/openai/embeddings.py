@@ -41,9 +41,8 @@ def embeddings_response(result: EmbedResult, model: str, encoding_format: str) -
 
 
 async def create(serving: Serving, body: EmbeddingBody, response: Response) -> dict:
-    deadline = serving.client.deadline()  # first: every call the request makes shares it
     model = serving.model(body.model, "embedding", "/v1/embeddings")
     call = embed_call(body, model)
-    result = await serving.answer(model, call, response, deadline)
+    result = await serving.answer(model, call, response)
     serving.log_payload(model, call.cache_input())
     return embeddings_response(result, model.name, body.encoding_format)

@@ -24,14 +24,14 @@ def sse(payload: dict) -> bytes:
 
 
 async def event_stream(serving: Serving, model: ModelConfig, call: GenerateCall, chunks: CompletionChunks,
-                       include_usage: bool, deadline: float) -> StreamingResponse:
+                       include_usage: bool) -> StreamingResponse:
     """The generation's events as they come, in ``chunks``' format.
 
     The first model event is awaited here, so anything that fails before the model
     produced a token (a bad prompt, a full queue, an unavailable model) is still a
     plain HTTP error; a failure after it can only be reported in the stream.
     """
-    events = serving.client.stream(model, call, deadline=deadline)
+    events = serving.client.stream(model, call)  # under the request's deadline
     first = await events.__anext__()
 
     async def sse_events() -> AsyncIterator[bytes]:
