@@ -23,7 +23,7 @@ def _model_ceiling(ctx: Context, model: dict) -> tuple[float, int, float]:
     size, and one text at a time (whose ratio bounds what batching can gain)."""
     import torch
 
-    from serve_app.core.batching import plan_batches
+    from serve_app.core.batching.planner import plan_batches
     from serve_app.core.models import LoadOptions, load_runtime
 
     previous = torch.get_num_threads()

@@ -4,9 +4,8 @@ By role:
 
 - the contract between deployments: ``calls`` (the typed calls and results), ``errors``
   (what a failure means to a client), ``tasks`` (the tasks a model can serve);
-- the replica's batching pipeline: ``batching`` (admission and length-sorted
-  sub-batches), ``static_batch`` (one padded batch through the model), ``executor``
-  (the model's one thread);
+- the replica's batching pipeline: ``batching`` (a package: the length-sorted
+  sub-batch planner, one static batch through the model, the model's one thread);
 - generation: ``continuous`` (the continuous batcher, a package), ``decoding``
   (sampling and streamed text, both engines), ``models`` (loading, runtimes,
   quantization);

@@ -29,7 +29,7 @@ from serve_app.core.calls import Completion, GenerateCall, GenerateResult, Strea
 from serve_app.core.continuous.engine import ContinuousBatcher
 from serve_app.core.errors import ContextLengthExceededError, DeadlineExceededError, InvalidRequestError, ServeAppError
 from serve_app.core.models import GenerationRequest, GenerationResult, GenerationRuntime
-from serve_app.core.static_batch import Row, new_row
+from serve_app.core.batching.static import Row, new_row
 from serve_app.replica.inputs import encode_each, in_tokenizer_thread
 from serve_app.replica.stats import ReplicaObserver, RowTiming
 

@@ -52,11 +52,11 @@ from serve_app.core.calls import (
     answer_each,
 )
 from serve_app.core.errors import InvalidRequestError, ServeAppError
-from serve_app.core.executor import Budget, ModelPacedExecutor
+from serve_app.core.batching.executor import Budget, ModelPacedExecutor
 from serve_app.core.models import LoadOptions, load_runtime
 from serve_app.core.models.devices import resolve_device, resolve_precision
 from serve_app.core.models.sources import model_revision, resolve_source
-from serve_app.core.static_batch import Row, batch_cost, expired, new_row, run_static_batch
+from serve_app.core.batching.static import Row, batch_cost, expired, new_row, run_static_batch
 from serve_app.metrics import BatchMetrics
 from serve_app.replica.engines import make_engine, static_generate
 from serve_app.replica.inputs import encode_each, in_image_thread, in_tokenizer_thread
@@ -291,7 +291,7 @@ class ModelServer:
     async def _admit(self, rows: list[Row]) -> list[asyncio.Future]:
         # Admission only: Serve's queue gathers rows for batch_wait_timeout_s and caps
         # them by rows and tokens; the executor then runs them when the model is free,
-        # merged with any other admitted rows still waiting (see core/executor.py).
+        # merged with any other admitted rows still waiting (see core/batching/executor.py).
         # Returning at once lets Serve admit the next batch while the model runs.
         return self.executor.submit(rows)
 

@@ -1,7 +1,7 @@
 """What a replica records about its batches and generations, each figure once.
 
 :class:`ReplicaObserver` is the one place that turns what happened (a
-:class:`~serve_app.core.static_batch.BatchReport`, a continuous row's queue wait, a
+:class:`~serve_app.core.batching.static.BatchReport`, a continuous row's queue wait, a
 finished generation row) into both sinks: the counters behind ``/v1/stats``
 (:class:`BatchStats`, read by tests, benchmarks and operators) and the Prometheus
 metrics (:class:`serve_app.metrics.BatchMetrics`).
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
 from serve_app.core.recent import RecentEvents, mean, percentile
-from serve_app.core.static_batch import BatchReport
+from serve_app.core.batching.static import BatchReport
 
 
 class BatchStats:

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from serve_app.core.batching import arrival_order_plan, plan_batches, scatter
+from serve_app.core.batching.planner import arrival_order_plan, plan_batches, scatter
 
 lengths_strategy = st.lists(st.integers(min_value=1, max_value=512), min_size=0, max_size=80)
 budget_strategy = st.integers(min_value=1, max_value=8192)

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from serve_app.core.executor import Budget, ModelPacedExecutor
+from serve_app.core.batching.executor import Budget, ModelPacedExecutor
 
 
 class FakeModel:

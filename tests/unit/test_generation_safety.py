@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from serve_app.config import BatchingConfig
-from serve_app.core.batching import arrival_order_plan, plan_batches
+from serve_app.core.batching.planner import arrival_order_plan, plan_batches
 from serve_app.core.calls import GenerateCall, SamplingParams, StreamDelta
 from serve_app.core.errors import ContextLengthExceededError, DeadlineExceededError, InvalidRequestError, ServeAppError
 from serve_app.core.models import GenerationRequest, GenerationResult
 from serve_app.core.models.generation import control_tokens, encode_chat_template
-from serve_app.core.static_batch import run_static_batch
+from serve_app.core.batching.static import run_static_batch
 from serve_app.replica import engines
 from serve_app.replica.stats import ReplicaObserver
 

@@ -15,10 +15,10 @@ import pytest
 from ray import serve
 
 from serve_app.config import BatchingConfig
-from serve_app.core.batching import BatchPlan, SubBatch
+from serve_app.core.batching.planner import BatchPlan, SubBatch
 from serve_app.core.calls import ClassifyCall, ClassifyResult, EmbedCall, EmbedResult, GenerateCall, ModelInfo
 from serve_app.core.errors import DeadlineExceededError, InvalidRequestError
-from serve_app.core.static_batch import BatchReport, batch_cost, new_row, run_static_batch
+from serve_app.core.batching.static import BatchReport, batch_cost, new_row, run_static_batch
 from serve_app.replica.model_server import ModelServer
 from serve_app.replica.stats import ReplicaObserver, RowTiming
 

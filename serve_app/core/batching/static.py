@@ -3,7 +3,7 @@
 The replica's executor hands :func:`run_static_batch` the rows it admitted together.
 Rows are grouped by ``group`` (rows in different groups never share a model call:
 generation rows with different sampling parameters), each group is cut by
-:mod:`serve_app.core.batching` into sub-batches padded only to their own longest row,
+:mod:`serve_app.core.batching.planner` into sub-batches padded only to their own longest row,
 and each sub-batch goes to the caller's ``call_model``. The results come back in
 arrival order. A sub-batch that fails gets its exception in the slots of its own rows
 alone, so one bad item never fails the others.
@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Protocol, Sequence
 
-from serve_app.core.batching import BatchPlan, SubBatch, arrival_order_plan, plan_batches, scatter
+from serve_app.core.batching.planner import BatchPlan, SubBatch, arrival_order_plan, plan_batches, scatter
 from serve_app.core.errors import DeadlineExceededError
 
 logger = logging.getLogger(__name__)
