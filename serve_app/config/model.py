@@ -12,11 +12,9 @@ from serve_app.config.base import _Section
 from serve_app.config.cache import ModelCacheConfig
 from serve_app.config.vllm import VLLMConfig
 from serve_app.core.models.quantization import Quantization, check_quantization
-from serve_app.core.tasks import PRECISION_CHOICES, TASKS
+from serve_app.core.tasks import PRECISION_CHOICES, TASKS, VLLM_TASKS
 
 Task = Literal[TASKS]
-# The tasks vLLM runs for us: generation, and embeddings through its pooling runner.
-VLLM_TASKS = ("text-generation", "embedding")
 Precision = Literal[PRECISION_CHOICES]
 
 _MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")

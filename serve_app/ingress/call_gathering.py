@@ -233,13 +233,3 @@ class CallGatherer:
             self._groups_in_flight -= 1
             self._calls_in_flight -= len(group)
             self._pump()
-
-
-def gathers(task: str) -> bool:
-    """Whether a model of ``task`` has its calls gathered: the tasks whose calls cost about
-    the same, text embeddings and text classification. A group answers when its slowest
-    call ends, so generation stays one request per call (a long generation would hold
-    back every short one beside it), and so does image classification: one image may
-    hold up to 64 megapixels to decode, on two decode threads, and a group would make
-    every small image beside it wait for that one."""
-    return task in ("embedding", "text-classification")

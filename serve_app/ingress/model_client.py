@@ -33,7 +33,8 @@ from serve_app.core.errors import (
     ServeAppError,
 )
 from serve_app.core.shared_tasks import SharedCallCancelled
-from serve_app.ingress.call_gathering import CallGatherer, GatherLimits, gathers
+from serve_app.core.tasks import CAPABILITIES
+from serve_app.ingress.call_gathering import CallGatherer, GatherLimits
 from serve_app.ingress import request_context
 from serve_app.ingress.http_errors import unwrap
 from serve_app.ray_env import handle_message_budget_bytes
@@ -93,7 +94,7 @@ class ModelServerBackend:
         self.handle = handle
         self.streaming = handle.options(stream=True)
         self.gatherer: Optional[CallGatherer] = None
-        if gather and model is not None and gathers(model.task):
+        if gather and model is not None and CAPABILITIES[model.task].gathered:
             router = router or RouterConfig()
             self.gatherer = CallGatherer(
                 self._infer_many,

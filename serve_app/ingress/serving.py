@@ -13,6 +13,7 @@ from fastapi import Response
 from serve_app.config import AppConfig, ModelConfig
 from serve_app.core.calls import ModelCall, ModelResult
 from serve_app.core.errors import InvalidRequestError, ModelNotFoundError
+from serve_app.core.tasks import CAPABILITIES
 from serve_app.ingress.model_client import ModelClient
 from serve_app.ingress.request_context import current, note
 from serve_app.ingress.response_cache import ResponseCache
@@ -41,8 +42,9 @@ class Serving:
             raise ModelNotFoundError(f"model {name!r} does not exist; this service serves: {known}")
         note(model=name)
         if model.task != task:
+            serves = " and ".join(CAPABILITIES[model.task].endpoints)
             raise InvalidRequestError(
-                f"model {name!r} is a {model.task} model; {endpoint} needs a {task} model",
+                f"model {name!r} is a {model.task} model, served on {serves}; {endpoint} needs a {task} model",
                 param="model",
                 code="wrong_task",
             )

@@ -37,7 +37,7 @@ from ray import serve
 from ray.serve.exceptions import RayServeException
 
 from serve_app.config import BatchingConfig, ModelConfig
-from serve_app.config.model import VLLM_TASKS
+from serve_app.core.tasks import VLLM_TASKS
 from serve_app.core.calls import (
     CallOutcomes,
     ClassifyCall,

@@ -19,7 +19,8 @@ from replica_fakes import FakeEncoder, server
 from serve_app.config import ModelConfig, RouterConfig
 from serve_app.core.calls import CallOutcomes, EmbedCall, EmbedResult, GenerateCall
 from serve_app.core.errors import DeadlineExceededError, InvalidRequestError, OverloadedError, ServeAppError
-from serve_app.ingress.call_gathering import GROUPS_PER_REPLICA, CallGatherer, GatherLimits, gathers
+from serve_app.core.tasks import CAPABILITIES
+from serve_app.ingress.call_gathering import GROUPS_PER_REPLICA, CallGatherer, GatherLimits
 from serve_app.ingress.model_client import ModelClient, ModelServerBackend
 from serve_app.scaling import ONGOING_CALLS_METRIC, load
 
@@ -227,10 +228,10 @@ def test_a_replica_silent_while_others_answer_is_forgotten():
 
 
 def test_only_calls_of_like_cost_gather():
-    assert gathers("embedding") and gathers("text-classification")
+    gathers = [task for task, can in CAPABILITIES.items() if can.gathered]
+    assert sorted(gathers) == ["embedding", "text-classification"]
     # A group answers when its slowest call ends: a long generation or a 64-megapixel
     # image would hold back every small call beside it.
-    assert not gathers("text-generation") and not gathers("image-classification")
 
 
 # ---- the replica's side -------------------------------------------------------------

@@ -82,7 +82,7 @@ def test_generation_engine_vllm_is_the_models_engine_vllm():
             _minimal(task="text-generation", engine="vllm", generation={"engine": "static"}),
             ["generation.engine is 'static', a transformers engine"],
         ),
-        (_minimal(task="text-classification", engine="vllm"), ["engine vllm serves text-generation and embedding"]),
+        (_minimal(task="text-classification", engine="vllm"), ["engine vllm serves embedding and text-generation"]),
         (_minimal(engine="vllm", quantization="int8"), ["vLLM's own (vllm.engine_args.quantization"]),
         (
             _minimal(engine="vllm", resources={"num_gpus": 2}, vllm={"tensor_parallel_size": 4}),

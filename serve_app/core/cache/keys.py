@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from serve_app.core.cache.values import VALUE_SCHEMA
+from serve_app.core.tasks import CAPABILITIES
 
 
 def _canonical(value: Any) -> Any:
@@ -56,7 +57,7 @@ def is_cacheable(task: str, params: dict) -> bool:
 
     A missing temperature counts as 1.0 (OpenAI's default), i.e. sampled.
     """
-    if task != "text-generation":
+    if not CAPABILITIES[task].sampled:
         return True
     temperature = params.get("temperature", 1.0)
     sampled = temperature is None or temperature > 0
