@@ -28,7 +28,7 @@ def test_identical_requests_hit_and_other_spellings_get_their_own_entry(client):
     again = _embed(client, text)
     assert again.headers["x-cache"] == "hit" and again.json()["data"] == first.json()["data"]
     assert _rows(client) == rows, "a hit must not touch the model"
-    # Keys hold the text as sent (issue 16): a full-width spelling (NFKC: the same text) is
+    # Keys hold the text as sent: a full-width spelling (NFKC: the same text) is
     # [UNK] to MiniLM's tokenizer, so it must be computed, not answered with the ASCII text's vector.
     wide = _embed(client, text.replace("cache me", "\uff43\uff41\uff43\uff48\uff45 me"))
     assert wide.headers["x-cache"] == "miss"
@@ -94,7 +94,7 @@ def test_semantic_paraphrase_hits_and_unrelated_misses(deployed):
 
 
 def test_semantic_cache_never_answers_another_question_or_endpoint(deployed):
-    # Both seen on the landed code (issue 16): "unsafe" answered with "safe"'s answer at
+    # Both seen on an earlier version: "unsafe" answered with "safe"'s answer at
     # cosine 0.99, and a completion "user: X" answered from the chat's entry for X.
     body = {"model": "smollm2", "max_tokens": 8, "temperature": 0}
     with httpx.Client(base_url=f"{deployed}/local", timeout=120) as http:

@@ -1,8 +1,12 @@
-"""Stand-ins for what Ray Serve handles return, for ingress tests without Ray."""
+"""Stand-ins for what Ray Serve handles return, and for a model backend, for ingress
+tests without Ray."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+
+from serve_app.core.calls import ModelInfo
 
 
 class Pending:
@@ -33,3 +37,51 @@ class Remote:
 
     def remote(self, *args):
         return self.fn(*args)
+
+
+class ScriptedStream:
+    """A streaming handle call's stand-in: yields (or raises) scripted events; cancellable."""
+
+    def __init__(self, events):
+        self.events, self.cancelled = list(events), False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if not self.events:
+            raise StopAsyncIteration
+        event = self.events.pop(0)
+        if isinstance(event, BaseException):
+            raise event
+        return event
+
+    def cancel(self):
+        self.cancelled = True
+
+
+class ScriptedBackend:
+    """A ModelBackend stand-in that answers from a script: one outcome per call, in order."""
+
+    def __init__(self, *outcomes, delay_s: float = 0.0, info: ModelInfo | None = None):
+        self.outcomes, self.delay_s, self.calls, self.pending = list(outcomes), delay_s, [], []
+        self.model_info = info
+
+    def infer(self, call):
+        self.calls.append(call)
+        outcome = self.outcomes.pop(0)
+        if self.model_info is not None and dataclasses.is_dataclass(outcome) and outcome.revision is None:
+            outcome = dataclasses.replace(outcome, revision=self.model_info.revision)  # as ModelServer.infer
+        self.pending.append(Pending(outcome, self.delay_s))
+        return self.pending[-1]
+
+    def infer_stream(self, call):
+        self.calls.append(call)
+        return ScriptedStream(self.outcomes.pop(0))
+
+    def info(self):
+        self.calls.append("info")
+        return Pending(self.model_info)
+
+    def stats(self):
+        return Pending({"rows": 0})

@@ -112,7 +112,7 @@ RESPONSES = [EMBEDDING_RESPONSE, CHAT_RESPONSE, COMPLETION_RESPONSE, CLASSIFY_RE
 
 
 def test_variants_of_one_text_get_their_own_keys():
-    # Issue 16: a tokenizer sees these differently (full-width letters are [UNK] to BERT),
+    # A tokenizer sees these differently (full-width letters are [UNK] to BERT),
     # so they must not share an answer; keys use the text exactly as sent.
     variants = ["Hello world", "  Hello   world\n", "Hello\u3000world", "\uff28ello world"]
     assert len({key(v) for v in variants}) == len(variants)
@@ -155,7 +155,7 @@ def test_chat_message_order_matters_and_text_is_kept_exactly():
     m2 = {"role": "assistant", "content": "Hello"}
     a = key([m1, m2], task="text-generation", params=GREEDY)
     assert key([m2, m1], task="text-generation", params=GREEDY) != a
-    # Issue 16: NFC and CRLF->LF change a byte-level BPE's tokens, so they change the key.
+    # NFC and CRLF->LF change a byte-level BPE's tokens, so they change the key.
     composed = [{"content": "Caf\u00e9  there\nok", "role": "user"}, m2]
     assert key(composed, task="text-generation", params=GREEDY) != a
     assert key([{"content": "Caf\u0065\u0301  there\r\nok", "role": "user"}, m2],

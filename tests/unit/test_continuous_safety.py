@@ -1,4 +1,4 @@
-"""The continuous batcher's memory bound, exception safety and generation_config (issue 16, items 7, 8, 18).
+"""The continuous batcher's memory bound, exception safety and generation_config.
 
 - the KV budget bounds the cache as allocated (rows x padded width), not the rows' own tokens;
 - a failure anywhere in a step ends every row it hit exactly once, leaves the layers
@@ -90,7 +90,7 @@ def _drain(batcher: ContinuousBatcher, max_steps: int = 500) -> None:
     raise AssertionError("batcher did not go idle")
 
 
-# --------------------------------------------------------------------------- item 7: the KV budget
+# --------------------------------------------------------------------------- the KV budget
 
 
 def test_peak_slots_is_the_most_a_left_padded_batch_allocates():
@@ -114,7 +114,7 @@ def test_peak_slots_is_the_most_a_left_padded_batch_allocates():
 def test_one_long_row_beside_many_short_ones_stays_within_the_budget(llm):
     """The cache is rows x the longest row: short rows joining a long one are charged its width.
 
-    Charging each row its own prompt + max_tokens (the code before issue 16) admits all
+    Charging each row its own prompt + max_tokens (an earlier version of this code) admits all
     ten short rows here, and the cache grows to about 11 x 45 slots against a budget of
     about 180.
     """
@@ -164,7 +164,7 @@ def test_one_long_row_beside_many_short_ones_stays_within_the_budget(llm):
     assert batcher.stats().kv_tokens_reserved == 0 and seen_reserved[-1] == 0
 
 
-# --------------------------------------------------------------------------- item 8: exception safety
+# --------------------------------------------------------------------------- exception safety
 
 # Two rows run; before the third step two more join (one ends at its first token, so
 # the prefill cache is cut before the merge) while a running row reaches its limit
@@ -334,7 +334,7 @@ def test_an_error_in_admission_after_a_row_left_the_queue_ends_that_row_too(llm)
     _check_all_ended_and_engine_serves(llm, batcher, running, joining)
 
 
-# --------------------------------------------------------------------------- item 18: generation_config
+# --------------------------------------------------------------------------- generation_config
 
 
 @pytest.fixture(scope="module")

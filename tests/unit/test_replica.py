@@ -109,8 +109,8 @@ def test_failing_sub_batch_fails_the_call_with_its_error():
 def test_info_and_reconfigure():
     ms = server(FakeEncoder("text-classification"))
     info = run(ms.info())
-    # The revision names more than the weights (issue 16: engine, device; see
-    # test_cache_keys_and_revisions.py), and loaded_at is when the replica loaded.
+    # The revision names more than the weights (engine, device; see
+    # test_cache_revisions_and_deadlines.py), and loaded_at is when the replica loaded.
     assert info.revision.startswith("rev-1-encoder-") and info.loaded_at <= time.time()
     assert info == ModelInfo(name="fake", task="text-classification", revision=info.revision, max_input_tokens=16,
                              device="cpu", dtype="float32", quantization="none",

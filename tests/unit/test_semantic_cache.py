@@ -1,6 +1,6 @@
 """The semantic cache answers only the same question: exact context, guarded last turn,
-endpoint and embedder in the namespace, scoped per API key, bounded memory (issue 16:
-items 1, 2, 5, 9 and 20's SemanticIndex.add KeyError(None))."""
+endpoint and embedder in the namespace, scoped per API key, bounded memory (and an index
+that loses no entry to a KeyError in SemanticIndex.add)."""
 
 from __future__ import annotations
 

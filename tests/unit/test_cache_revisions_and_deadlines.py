@@ -1,4 +1,4 @@
-"""Issue 16, items 3, 4, 14, 17 and 18 (second half): cache keys on what the model sees,
+"""Cache keys on what the model sees,
 answers written under the revision that computed them, one deadline per request, corrupt
 cached values as misses, and the engine in the revision. No Ray is started."""
 
@@ -136,7 +136,7 @@ async def _settle():
         await asyncio.sleep(0)  # background write-backs and drops
 
 
-# ---- item 3: keys on the text the model sees -------------------------------------------
+# ---- keys on the text the model sees -------------------------------------------
 
 
 @pytest.mark.parametrize("task", ["embedding", "text-classification", "text-generation"])
@@ -179,7 +179,7 @@ def test_minilms_tokenizer_tells_the_issues_pairs_apart_and_so_do_the_keys(a, b)
     assert len(keys) == 2
 
 
-# ---- item 4: the revision of the replica that computed the answer -----------------------
+# ---- the revision of the replica that computed the answer -----------------------
 
 
 def test_an_old_replicas_answer_is_written_under_its_own_revision_and_never_served_as_the_new_one():
@@ -279,7 +279,7 @@ def test_the_replica_puts_its_revision_on_every_result():
     assert run(classify.infer(ClassifyCall(texts=("a",)))).revision == classify.revision
 
 
-# ---- item 18b: the engine (and whatever else changes the answer) is in the revision ----
+# ---- the engine (and whatever else changes the answer) is in the revision ----
 
 
 def _gen_config(**extra) -> ModelConfig:
@@ -317,7 +317,7 @@ def test_the_replica_reports_the_answer_revision_not_only_the_weights():
     assert run(ms.info()).revision == answer_revision(ms.config, ms.runtime, None) != ms.runtime.revision
 
 
-# ---- item 14: one deadline for the whole request ---------------------------------------
+# ---- one deadline for the whole request ---------------------------------------
 
 
 def test_the_revision_read_and_the_model_call_share_one_deadline():
@@ -425,7 +425,7 @@ def test_embedding_failures_warn_at_most_once_per_interval(caplog):
     assert len([r for r in caplog.records if "embedding" in r.getMessage()]) == 1
 
 
-# ---- item 17: a corrupt cached value is a miss, and it is dropped -----------------------
+# ---- a corrupt cached value is a miss, and it is dropped -----------------------
 
 
 EMBED_MODELS = [{"name": "m", "source": "package:x", "task": "embedding"}]
@@ -463,7 +463,7 @@ def test_a_corrupt_embedding_entry_is_a_miss_and_is_replaced(corrupt):
 
 
 @pytest.mark.parametrize("corrupt", [
-    _answer("x", finish_reason="cancelled").to_wire(),  # never an answer (item 16's guard on the read side)
+    _answer("x", finish_reason="cancelled").to_wire(),  # never an answer (the read side's guard)
     {"completions": [], "revision": None},  # no choice for a one-choice call
     {"completions": [_answer("a").completions[0].to_wire()] * 2},
 ])
