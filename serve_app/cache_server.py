@@ -2,7 +2,7 @@
 
 The router asks it before any model call and writes answers back after a miss; the
 lookups and write-backs of requests that arrive together travel as one call each
-(``get_many``, ``set_many``; see ``core.cache.batcher``). It holds the store (in-process
+(``get_many``, ``set_many``; see ``core.coalescing``). It holds the store (in-process
 memory by default, Redis for a cluster) behind a ResilientStore, so a slow or dead
 store answers "miss" within a short timeout instead of failing requests, and the
 semantic index for models that opt in.

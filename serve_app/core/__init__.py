@@ -11,6 +11,7 @@ By role:
   quantization);
 - the cache: ``cache`` (keys, stores, semantic index, single-flight);
 - scaling: ``schedule`` (the daily load profiles);
-- shared helpers: ``recent`` (sliding-window counters), ``shared_tasks`` (one awaited
-  task many callers share).
+- shared helpers: ``coalescing`` (calls made together leave as one: the cache's store
+  calls and the router's call gathering), ``recent`` (sliding-window counters),
+  ``shared_tasks`` (one awaited task many callers share).
 """

@@ -23,19 +23,21 @@ plus ``max_queued_requests`` get a 503 at once, as Serve's own full queue does. 
 replicas are counted from the answers (each names its replica), so a scale-up widens
 the flight within one answer.
 
-Plain asyncio, no Ray: what sends a group is given (``send_many``).
+Plain asyncio, no Ray: what sends a group is given (``send_many``). The queueing, the
+group limits, the timeout and the fan-out are the :class:`~serve_app.core.coalescing.Coalescer`'s,
+which the cache's store calls use too; this module adds what is particular to replicas:
+the slots follow the replicas seen, Serve's queue limit, and the reply's size.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections import deque
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Optional, Sequence
 
 from serve_app.core.calls import CallOutcomes, ModelCall
-from serve_app.core.shared_tasks import SharedCallCancelled, start_shared
+from serve_app.core.coalescing import Coalescer, Waiting
 
 # Groups in flight per replica: one running while the next is on its way, so the
 # replica is never idle waiting for the router, and groups stay large under load.
@@ -86,56 +88,32 @@ def reply_bytes_per_row(outcome: Any) -> int:
     return 0
 
 
-@dataclass
-class _Waiting:
-    call: ModelCall
-    rows: int
-    future: asyncio.Future
-    bytes: int = 0
-
-
-class CallGatherer:
+class CallGatherer(Coalescer[ModelCall, Any]):
     """``await gatherer.submit(call)`` is ``send_many([..., call, ...]).outcomes[i]``."""
 
     def __init__(self, send_many: Callable[[list[ModelCall]], Awaitable[CallOutcomes]], limits: GatherLimits, *,
                  overloaded: Callable[[], Exception], default_timeout_s: float,
                  clock: Callable[[], float] = time.monotonic):
-        self._send_many = send_many
+        super().__init__(
+            send_many, timeout_s=self._timeout_s, max_items=limits.max_calls, max_in_flight=GROUPS_PER_REPLICA,
+            weight_of=lambda call: call.rows, max_weight=limits.max_rows,
+            size_of=call_bytes, max_bytes=limits.max_bytes,
+            full_batches_always_leave=True, outcomes=lambda reply: reply.outcomes)
         self.limits = limits
         self._overloaded = overloaded
         self._default_timeout_s = default_timeout_s
         self._clock = clock
-        self._waiting: deque[_Waiting] = deque()
-        self._waiting_rows = 0
-        self._pump_scheduled = False
-        self._groups_in_flight = 0
-        self._calls_in_flight = 0
         self._replicas: dict[str, float] = {}  # replica id -> when it last answered
         self._reply_row_bytes = 0  # the largest answer per input seen (a vector's size), for the byte bound
-        self._tasks: set[asyncio.Task] = set()
-        self.calls = 0  # calls submitted
-        self.groups = 0  # groups sent
-
-    # ---- what the backend calls ------------------------------------------------------
 
     def submit(self, call: ModelCall) -> asyncio.Future:
         """The future of the call's result (its error, if the call failed). Raises the
         ``overloaded`` error at once when the model already holds as many calls as its
         replicas take plus its queue. Cancelling the future drops a call not yet sent."""
-        replicas = self.replicas()
-        capacity = replicas * self.limits.max_ongoing_per_replica + self.limits.max_queued
-        if self._calls_in_flight + len(self._waiting) >= capacity:
+        capacity = self.replicas() * self.limits.max_ongoing_per_replica + self.limits.max_queued
+        if self.in_flight_items + self.waiting >= capacity:
             raise self._overloaded()
-        future = asyncio.get_running_loop().create_future()
-        waiting = _Waiting(call, call.rows, future, call_bytes(call) if self.limits.max_bytes else 0)
-        self._waiting.append(waiting)
-        self._waiting_rows += waiting.rows
-        self.calls += 1
-        if not self._pump_scheduled:
-            # On the next turn of the loop: calls submitted in this one join the group.
-            self._pump_scheduled = True
-            asyncio.get_running_loop().call_soon(self._pump)
-        return future
+        return super().submit(call)
 
     def replicas(self) -> int:
         """Replicas that answered within :data:`REPLICA_MEMORY_S` of the latest answer
@@ -148,88 +126,33 @@ class CallGatherer:
         return max(1, len(self._replicas))
 
     def stats(self) -> dict[str, Any]:
-        return {"calls": self.calls, "groups": self.groups,
-                "calls_per_group": round(self.calls / self.groups, 2) if self.groups else None,
-                "replicas_seen": len(self._replicas), "in_flight_groups": self._groups_in_flight,
-                "waiting_calls": len(self._waiting)}
+        return {"calls": self.calls, "groups": self.batches,
+                "calls_per_group": round(self.calls / self.batches, 2) if self.batches else None,
+                "replicas_seen": len(self._replicas), "in_flight_groups": self.in_flight_batches,
+                "waiting_calls": self.waiting}
 
-    # ---- groups -----------------------------------------------------------------------
+    @property
+    def groups(self) -> int:
+        return self.batches
 
-    def _pump(self) -> None:
-        self._pump_scheduled = False
-        slots = GROUPS_PER_REPLICA * self.replicas()
-        # A full group leaves even when every slot is taken: what waits here is invisible
-        # to Serve's queue and autoscaler, so it never holds more than one group.
-        while self._waiting and (self._groups_in_flight < slots or self._full_group_waits()):
-            group = self._take_group()
-            if not group:
-                break
-            self._groups_in_flight += 1
-            self._calls_in_flight += len(group)
-            self.groups += 1
-            # Detached from the caller whose turn sent it: the group serves them all.
-            task = start_shared(self._send(group))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+    # ---- the Coalescer's hooks ----------------------------------------------------------
 
-    def _full_group_waits(self) -> bool:
-        return len(self._waiting) >= self.limits.max_calls or self._waiting_rows >= self.limits.max_rows
+    def slots(self) -> int:
+        return GROUPS_PER_REPLICA * self.replicas()
 
-    def _take_group(self) -> list[_Waiting]:
-        group: list[_Waiting] = []
-        rows = size = 0
-        budget = self.limits.max_bytes
-        while self._waiting and len(group) < self.limits.max_calls:
-            head = self._waiting[0]
-            if group and rows + head.rows > self.limits.max_rows:
-                break
-            # The group and its reply stay under the transport's limit: a group of large
-            # texts, or of many inputs with long vectors, would fail whole.
-            head_size = head.bytes + head.rows * self._reply_row_bytes
-            if group and budget is not None and size + head_size > budget:
-                break
-            self._waiting.popleft()
-            self._waiting_rows -= head.rows
-            if head.future.done():  # its caller stopped waiting before it left
-                continue
-            group.append(head)
-            rows += head.rows
-            size += head_size
-        return group
+    def item_size(self, waiting: Waiting[ModelCall]) -> int:
+        # The group and its reply stay under the transport's limit: a group of large
+        # texts, or of many inputs with long vectors, would fail whole.
+        return waiting.size + waiting.weight * self._reply_row_bytes
 
-    def _timeout_s(self, group: Sequence[_Waiting]) -> float:
-        deadlines = [w.call.deadline for w in group if w.call.deadline is not None]
+    def answered(self, reply: CallOutcomes) -> None:
+        if reply.replica is not None:
+            self._replicas[reply.replica] = self._clock()
+        if self.limits.max_bytes is not None:
+            self._reply_row_bytes = max([self._reply_row_bytes, *(reply_bytes_per_row(o) for o in reply.outcomes)])
+
+    def _timeout_s(self, group: Sequence[ModelCall]) -> float:
+        deadlines = [call.deadline for call in group if call.deadline is not None]
         if len(deadlines) < len(group):
             return self._default_timeout_s + _GROUP_GRACE_S
         return max(0.0, max(deadlines) - time.time()) + _GROUP_GRACE_S
-
-    async def _send(self, group: list[_Waiting]) -> None:
-        try:
-            reply = await asyncio.wait_for(self._send_many([w.call for w in group]), self._timeout_s(group))
-            if len(reply.outcomes) != len(group):
-                raise RuntimeError(f"infer_many answered {len(reply.outcomes)} outcomes for {len(group)} calls")
-        except asyncio.CancelledError:
-            for waiting in group:  # an error each caller handles (retries), not a cancellation of its own
-                if not waiting.future.done():
-                    waiting.future.set_exception(SharedCallCancelled("the group this call travelled in was cancelled"))
-            raise
-        except Exception as exc:  # noqa: BLE001 - each caller decides what it means (retry, 503, 504)
-            for waiting in group:
-                if not waiting.future.done():
-                    waiting.future.set_exception(exc)
-        else:
-            if reply.replica is not None:
-                self._replicas[reply.replica] = self._clock()
-            if self.limits.max_bytes is not None:
-                self._reply_row_bytes = max([self._reply_row_bytes, *(reply_bytes_per_row(o) for o in reply.outcomes)])
-            for waiting, outcome in zip(group, reply.outcomes):
-                if waiting.future.done():  # its caller stopped waiting
-                    continue
-                if isinstance(outcome, BaseException):
-                    waiting.future.set_exception(outcome)
-                else:
-                    waiting.future.set_result(outcome)
-        finally:
-            self._groups_in_flight -= 1
-            self._calls_in_flight -= len(group)
-            self._pump()

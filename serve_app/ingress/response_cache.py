@@ -35,7 +35,6 @@ from serve_app.core.calls import (
 )
 from serve_app.core.cache import (
     NOT_SENT,
-    CallBatcher,
     SingleFlight,
     cache_key,
     decode_value,
@@ -44,6 +43,7 @@ from serve_app.core.cache import (
     semantic_namespace,
 )
 from serve_app.core.cache.fit import misfit
+from serve_app.core.coalescing import Coalescer
 from serve_app.core.cache.semantic import semantic_request
 from serve_app.core.shared_tasks import start_shared
 from serve_app.ray_env import handle_message_budget_bytes
@@ -90,15 +90,15 @@ class ResponseCache:
         self._background: set[asyncio.Task] = set()
         # Lookups and write-backs of requests that arrive together go to the CacheServer
         # as one call each: its per-call cost, not the store, is most of what a miss
-        # costs (core.cache.batcher).
+        # costs (core.coalescing).
         # Both bounded in bytes too, below the transport's message limit: a batch of
         # large answers (64 vectors of 768 floats are 440 KB) would otherwise fail whole.
         self.max_bytes = handle_message_budget_bytes()
         self.too_large = 0  # answers not cached: larger than one CacheServer call may carry
-        self._lookups: CallBatcher[str, Optional[bytes]] = CallBatcher(
-            self._get_many, timeout_s=config.call_timeout_s, max_batch=_STORE_BATCH)
-        self._writes: CallBatcher[tuple, None] = CallBatcher(
-            self._set_many, timeout_s=config.call_timeout_s, max_batch=_STORE_BATCH,
+        self._lookups: Coalescer[str, Optional[bytes]] = Coalescer(
+            self._get_many, timeout_s=config.call_timeout_s, max_items=_STORE_BATCH)
+        self._writes: Coalescer[tuple, None] = Coalescer(
+            self._set_many, timeout_s=config.call_timeout_s, max_items=_STORE_BATCH,
             size_of=lambda entry: len(entry[0]) + len(entry[1]), max_bytes=self.max_bytes)
         self.revisions = RevisionTracker(client, config.revision_refresh_s)
         self._too_long: dict[str, tuple[int, float]] = {}  # embedder -> (chars, when) it refused
@@ -355,7 +355,7 @@ class ResponseCache:
         if not outcome.cancelled() and outcome.exception() is not None:
             self._store_failed("set", outcome.exception())
 
-    async def _batched(self, what: str, batcher: CallBatcher, item: Any) -> Any:
+    async def _batched(self, what: str, batcher: Coalescer, item: Any) -> Any:
         """A batched CacheServer call that can only miss: errors and slowness return None.
         The batcher bounds its time (a batch's own timeout, and at most one wait for a
         batch already out)."""

@@ -17,7 +17,8 @@ import contextvars
 import pytest
 from ray.serve import context as serve_context
 
-from serve_app.core.cache import CallBatcher, SingleFlight
+from serve_app.core.cache import SingleFlight
+from serve_app.core.coalescing import Coalescer
 from serve_app.core.calls import CallOutcomes, EmbedCall, EmbedResult
 from serve_app.core.errors import OverloadedError
 from serve_app.core.shared_tasks import SharedCallCancelled, start_shared
@@ -121,7 +122,7 @@ def test_a_batch_of_cache_lookups_survives_its_first_caller_leaving():
         async def get_many(keys):
             return await serve.call([f"value of {k}" for k in keys])
 
-        batcher = CallBatcher(get_many, timeout_s=5.0)
+        batcher = Coalescer(get_many, timeout_s=5.0)
 
         async def share(children, i):
             nonlocal serve
@@ -145,7 +146,7 @@ def test_a_cancelled_shared_call_is_an_error_to_its_callers_not_their_cancellati
         async def hang(_items):
             await never.wait()
 
-        batcher = CallBatcher(hang, timeout_s=5.0)
+        batcher = Coalescer(hang, timeout_s=5.0)
         lookup = asyncio.ensure_future(batcher.call("key"))
         await asyncio.sleep(0.01)
         for task in list(batcher._tasks):

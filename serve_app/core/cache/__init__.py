@@ -16,8 +16,8 @@ The router asks the cache before it asks a model (docs/cache.md tells it for use
    turn close by embedding and accepted by a guard (``semantic.same_question``).
 4. :class:`SingleFlight` lets identical requests that are in flight at the same time
    share one model call.
-5. :class:`CallBatcher` sends the store lookups (and write-backs) of requests that
-   arrive together as one call.
+5. The store lookups (and write-backs) of requests that arrive together travel as one
+   call: the router sends them through a :class:`~serve_app.core.coalescing.Coalescer`.
 6. :func:`~serve_app.core.cache.fit.misfit` says why a stored value cannot be the answer
    to the request that found it (then it is a miss, and dropped).
 
@@ -25,7 +25,6 @@ Everything here is plain asyncio; nothing imports ray. Nothing here is thread-sa
 object belongs to one event loop.
 """
 
-from serve_app.core.cache.batcher import CallBatcher
 from serve_app.core.cache.flight import SingleFlight
 from serve_app.core.cache.keys import (
     cache_key,
@@ -40,7 +39,6 @@ from serve_app.core.cache.values import NOT_SENT, bounded_reply, decode_value, e
 __all__ = [
     "NOT_SENT",
     "CacheStore",
-    "CallBatcher",
     "MemoryStore",
     "RedisStore",
     "ResilientStore",

@@ -1,4 +1,5 @@
-"""core.cache.batcher.CallBatcher: the cache's lookups and write-backs, batched. No Ray."""
+"""core.coalescing.Coalescer: calls made together leave as one (the cache's lookups and
+write-backs; the call gatherer adds replicas on top, tests/unit/test_call_gathering.py). No Ray."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import time
 
 import pytest
 
-from serve_app.core.cache import CallBatcher
+from serve_app.core.coalescing import Coalescer
 
 
 class Callee:
@@ -29,7 +30,7 @@ class Callee:
 def test_a_lone_call_leaves_at_once_and_calls_in_one_turn_leave_together():
     async def main():
         callee = Callee()
-        batcher = CallBatcher(callee, timeout_s=1.0)
+        batcher = Coalescer(callee, timeout_s=1.0)
         started = time.perf_counter()
         assert await batcher.call(1) == 10
         assert time.perf_counter() - started < 0.05  # no timer to wait out
@@ -44,7 +45,7 @@ def test_a_lone_call_leaves_at_once_and_calls_in_one_turn_leave_together():
 def test_calls_made_while_batches_are_out_queue_and_leave_as_one():
     async def main():
         callee = Callee(delay_s=0.02)
-        batcher = CallBatcher(callee, timeout_s=1.0, max_in_flight=1)
+        batcher = Coalescer(callee, timeout_s=1.0, max_in_flight=1)
         first = asyncio.ensure_future(batcher.call(0))
         await asyncio.sleep(0.005)  # the first batch is out
         later = [asyncio.ensure_future(batcher.call(i)) for i in range(1, 8)]
@@ -59,7 +60,7 @@ def test_calls_made_while_batches_are_out_queue_and_leave_as_one():
 def test_batches_hold_at_most_max_batch_items():
     async def main():
         callee = Callee()
-        batcher = CallBatcher(callee, timeout_s=1.0, max_batch=3, max_in_flight=1)
+        batcher = Coalescer(callee, timeout_s=1.0, max_items=3, max_in_flight=1)
         assert await asyncio.gather(*(batcher.call(i) for i in range(7))) == [i * 10 for i in range(7)]
         return callee
 
@@ -69,7 +70,7 @@ def test_batches_hold_at_most_max_batch_items():
 def test_a_failed_batch_fails_its_callers_only_and_the_next_batch_works():
     async def main():
         callee = Callee()
-        batcher = CallBatcher(callee, timeout_s=1.0)
+        batcher = Coalescer(callee, timeout_s=1.0)
         callee.fail = ConnectionError("down")
         outcomes = await asyncio.gather(*(batcher.call(i) for i in range(3)), return_exceptions=True)
         assert all(isinstance(o, ConnectionError) for o in outcomes)
@@ -82,7 +83,7 @@ def test_a_failed_batch_fails_its_callers_only_and_the_next_batch_works():
 def test_a_hung_batch_times_out_and_frees_its_slot():
     async def main():
         callee = Callee()
-        batcher = CallBatcher(callee, timeout_s=0.05, max_in_flight=1)
+        batcher = Coalescer(callee, timeout_s=0.05, max_in_flight=1)
         callee.hang = True
         started = time.perf_counter()
         with pytest.raises(asyncio.TimeoutError):
@@ -99,7 +100,7 @@ def test_a_wrong_number_of_results_is_an_error_for_every_caller():
         async def short(items):
             return items[:-1]
 
-        batcher = CallBatcher(short, timeout_s=1.0)
+        batcher = Coalescer(short, timeout_s=1.0)
         outcomes = await asyncio.gather(batcher.call(1), batcher.call(2), return_exceptions=True)
         assert all(isinstance(o, RuntimeError) and "1 results for 2 items" in str(o) for o in outcomes)
 
@@ -109,7 +110,7 @@ def test_a_wrong_number_of_results_is_an_error_for_every_caller():
 def test_a_caller_that_stops_waiting_leaves_the_others_their_answers():
     async def main():
         callee = Callee(delay_s=0.05)
-        batcher = CallBatcher(callee, timeout_s=1.0)
+        batcher = Coalescer(callee, timeout_s=1.0)
         impatient = asyncio.ensure_future(asyncio.wait_for(batcher.call(1), 0.01))
         patient = asyncio.ensure_future(batcher.call(2))
         with pytest.raises(asyncio.TimeoutError):
@@ -122,15 +123,15 @@ def test_a_caller_that_stops_waiting_leaves_the_others_their_answers():
 
 def test_settings_are_checked():
     with pytest.raises(ValueError):
-        CallBatcher(Callee(), timeout_s=0)
+        Coalescer(Callee(), timeout_s=0)
     with pytest.raises(ValueError):
-        CallBatcher(Callee(), timeout_s=1.0, max_batch=0)
+        Coalescer(Callee(), timeout_s=1.0, max_items=0)
 
 
 def test_submit_queues_without_waiting_and_its_future_carries_the_outcome():
     async def main():
         callee = Callee(delay_s=0.01)
-        batcher = CallBatcher(callee, timeout_s=1.0)
+        batcher = Coalescer(callee, timeout_s=1.0)
         done = asyncio.ensure_future(batcher.submit(3))
         assert not done.done()
         assert await done == 30
@@ -146,7 +147,7 @@ def test_submit_queues_without_waiting_and_its_future_carries_the_outcome():
 
 def test_a_quiet_batcher_starts_one_task_per_batch():
     async def main():
-        batcher = CallBatcher(Callee(), timeout_s=1.0, max_in_flight=2)
+        batcher = Coalescer(Callee(), timeout_s=1.0, max_in_flight=2)
         created = []
         loop = asyncio.get_running_loop()
         original = loop.create_task
@@ -158,7 +159,7 @@ def test_a_quiet_batcher_starts_one_task_per_batch():
         loop.create_task = counting
         for i in range(3):
             assert await batcher.call(i) == i * 10
-        return created.count("CallBatcher._send_next"), batcher.batches
+        return created.count("Coalescer._send"), batcher.batches
 
     assert asyncio.run(main()) == (3, 3)  # no idle second task per call
 
@@ -172,7 +173,7 @@ def test_a_batch_stays_within_its_byte_budget_and_a_large_item_goes_alone():
             await asyncio.sleep(0.01)
             return items
 
-        batcher = CallBatcher(send_many, timeout_s=5, max_in_flight=1, size_of=len, max_bytes=10)
+        batcher = Coalescer(send_many, timeout_s=5, max_in_flight=1, size_of=len, max_bytes=10)
         results = await asyncio.gather(*(batcher.call(item) for item in ("aaaa", "bbbb", "cccc", "d" * 30, "ee")))
         return results, sent
 
