@@ -75,6 +75,9 @@ class ModelBackend(Protocol):
 
     def stats(self) -> PendingCall: ...
 
+    def gathering(self) -> Optional[dict]:
+        """How this backend gathers concurrent calls (``CallGatherer.stats``); None if it does not."""
+
 
 class ModelServerBackend:
     """Our ModelServer deployment: its methods take and return the typed calls.
@@ -86,13 +89,12 @@ class ModelServerBackend:
 
     def __init__(self, handle: DeploymentHandle, model: Optional[ModelConfig] = None, *,
                  gather: bool = False, router: Optional[RouterConfig] = None):
-        # Start the handle's updates from the controller now. A handle started by its
-        # first request only learns later that its model failed to load, and that
-        # request waits for replicas that never come; started early, it gets a 503.
-        if not handle.is_initialized:
-            handle._init()
-        self.handle = handle
+        # .options() starts the handle's updates from the controller now (Serve starts a
+        # handle at its first .options() or .remote()). A handle started by its first
+        # request only learns later that its model failed to load, and that request
+        # waits for replicas that never come; started early, it gets a 503.
         self.streaming = handle.options(stream=True)
+        self.handle = handle
         self.gatherer: Optional[CallGatherer] = None
         if gather and model is not None and CAPABILITIES[model.task].gathered:
             router = router or RouterConfig()
@@ -133,6 +135,9 @@ class ModelServerBackend:
     def stats(self) -> PendingCall:
         return self.handle.get_stats.remote()
 
+    def gathering(self) -> Optional[dict]:
+        return None if self.gatherer is None else self.gatherer.stats()
+
 
 class ModelClient:
     """The router's way to every model: ``infer``/``stream``/``info``/``stats`` by model."""
@@ -144,8 +149,7 @@ class ModelClient:
 
     def gathering(self, model_name: str) -> Optional[dict]:
         """How this router gathers the model's calls (``CallGatherer.stats``), or None."""
-        gatherer = getattr(self.backends[model_name], "gatherer", None)
-        return None if gatherer is None else gatherer.stats()
+        return self.backends[model_name].gathering()
 
     def request_deadline(self, deadline: Optional[float] = None) -> float:
         """``deadline`` (time.monotonic()), else the request's (``request_context``): one

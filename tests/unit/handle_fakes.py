@@ -60,7 +60,28 @@ class ScriptedStream:
         self.cancelled = True
 
 
-class ScriptedBackend:
+class FakeBackend:
+    """The ModelBackend methods (serve_app.ingress.model_client) a test does not script:
+    every fake backend derives from it, so none lacks a method the router calls
+    (tests/unit/test_model_client.py checks them against the protocol)."""
+
+    def infer(self, call):
+        raise NotImplementedError("this test sends no unary calls")
+
+    def infer_stream(self, call):
+        raise NotImplementedError("this test streams nothing")
+
+    def info(self):
+        raise NotImplementedError("this test reads no model info")
+
+    def stats(self):
+        return Pending({})
+
+    def gathering(self):
+        return None  # fakes answer each call alone
+
+
+class ScriptedBackend(FakeBackend):
     """A ModelBackend stand-in that answers from a script: one outcome per call, in order."""
 
     def __init__(self, *outcomes, delay_s: float = 0.0, info: ModelInfo | None = None):

@@ -34,7 +34,7 @@ from serve_app.ingress.response_cache import ResponseCache
 from serve_app.replica.model_server import ANSWERS_VERSION, answer_revision
 
 from replica_fakes import FakeEncoder, run, server
-from handle_fakes import Pending, Remote
+from handle_fakes import FakeBackend, Pending, Remote
 
 GREEDY = {"max_tokens": 8, "temperature": 0, "top_p": 1.0, "stop": [], "seed": None}
 
@@ -49,7 +49,7 @@ def _stamped(answer, info):
     return answer
 
 
-class _Backend:
+class _Backend(FakeBackend):
     """A model deployment: ``answers`` in order for infer, ``infos`` in order for info
     (the last one repeats), each with its own delay; answers get the current info's
     revision, as ModelServer.infer stamps them, unless ``stamp`` is off (older code)."""
@@ -64,16 +64,10 @@ class _Backend:
         info = self.infos[0] if self.infos and self.stamp else None
         return Pending(_stamped(self.answers.pop(0), info), self.infer_delay_s)
 
-    def infer_stream(self, call):
-        raise NotImplementedError
-
     def info(self):
         self.calls.append("info")
         info = self.infos.pop(0) if len(self.infos) > 1 else self.infos[0]
         return Pending(info, self.info_delay_s)
-
-    def stats(self):
-        return Pending({})
 
     def inferred(self):
         return [c for c in self.calls if c != "info"]

@@ -23,6 +23,7 @@ from serve_app.core.tasks import CAPABILITIES
 from serve_app.ingress.call_gathering import GROUPS_PER_REPLICA, CallGatherer, GatherLimits
 from serve_app.ingress.model_client import ModelClient, ModelServerBackend
 from serve_app.scaling import ONGOING_CALLS_METRIC, load
+from handle_fakes import FakeBackend
 
 
 def _answer(call: EmbedCall) -> EmbedResult:
@@ -419,7 +420,7 @@ def test_a_replica_of_an_older_release_without_infer_many_gets_each_call_alone()
 # ---- a replica whose engine died ------------------------------------------------------
 
 
-class _DeadEngineFirst:
+class _DeadEngineFirst(FakeBackend):
     """A backend whose first ``dead`` calls land on a replica whose engine died."""
 
     def __init__(self, dead: int):

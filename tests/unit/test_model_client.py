@@ -23,7 +23,7 @@ from serve_app.core.errors import (
     ModelUnavailableError,
     OverloadedError,
 )
-from serve_app.ingress.model_client import ModelClient
+from serve_app.ingress.model_client import ModelBackend, ModelClient, ModelServerBackend
 from handle_fakes import ScriptedBackend
 
 
@@ -85,3 +85,14 @@ def test_stream_retries_only_before_the_first_event():
     late = _client(ScriptedBackend([StreamDelta(0, "a"), _LOST], [end]), replica_retries=1)
     with pytest.raises(ActorUnavailableError):
         asyncio.run(events(late))
+
+
+def test_every_backend_has_the_whole_model_backend_protocol():
+    from test_cache_revisions_and_deadlines import _Backend
+    from test_call_gathering import _DeadEngineFirst
+    from test_semantic_cache import _LLM, _Embedder
+
+    wanted = {name for name in vars(ModelBackend) if not name.startswith("_")}
+    assert wanted == {"infer", "infer_stream", "info", "stats", "gathering"}
+    for backend in (ModelServerBackend, ScriptedBackend, _Backend, _DeadEngineFirst, _LLM, _Embedder):
+        assert wanted <= set(dir(backend)), f"{backend.__name__} lacks {sorted(wanted - set(dir(backend)))}"

@@ -38,7 +38,7 @@ from serve_app.ingress import request_context
 from serve_app.ingress.middleware import IngressGuard, IngressState
 from serve_app.ingress.model_client import ModelClient
 from serve_app.ingress.response_cache import ResponseCache
-from handle_fakes import Remote
+from handle_fakes import FakeBackend, Remote
 
 PAIRS = json.loads((Path(__file__).resolve().parent.parent / "data" / "semantic_pairs.json").read_text())
 BLEACH, UNSAFE = "Is it safe to mix bleach and ammonia?", "Is it unsafe to mix bleach and ammonia?"
@@ -103,7 +103,7 @@ class _Pending:
         pass
 
 
-class _LLM:
+class _LLM(FakeBackend):
     """A generation backend whose every answer is new ("answer 1", "answer 2", ...)."""
 
     def __init__(self):
@@ -119,7 +119,7 @@ class _LLM:
                                   device="cpu", dtype="float32", quantization="none"))
 
 
-class _Embedder:
+class _Embedder(FakeBackend):
     """An embedding backend: ``embed`` maps a text to its vector; by default every text
     gets the same one, the worst embedder there is (everything is "similar")."""
 
