@@ -131,10 +131,6 @@ class CallGatherer(Coalescer[ModelCall, Any]):
                 "replicas_seen": len(self._replicas), "in_flight_groups": self.in_flight_batches,
                 "waiting_calls": self.waiting}
 
-    @property
-    def groups(self) -> int:
-        return self.batches
-
     # ---- the Coalescer's hooks ----------------------------------------------------------
 
     def slots(self) -> int:

@@ -15,16 +15,11 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve_app.core.errors import HTTPStatusError, InvalidRequestError, ServeAppError
-from serve_app.ingress.request_context import current, note
+from serve_app.ingress.request_context import note, request_id
 
 logger = logging.getLogger("ray.serve")
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
-
-
-def _request_id() -> str:
-    context = current()
-    return context.request_id if context is not None else "-"
 
 
 def unwrap(exc: BaseException) -> BaseException:
@@ -47,7 +42,7 @@ def stream_error(exc: BaseException, model: str) -> ServeAppError:
     if isinstance(exc, ServeAppError):
         error = exc
     else:
-        logger.error("model %s failed mid-stream (request %s)", model, _request_id(), exc_info=exc)
+        logger.error("model %s failed mid-stream (request %s)", model, request_id(), exc_info=exc)
         error = ServeAppError("the model failed mid-stream; see the server log", code="internal_error")
     note(code=error.code or error.error_type)
     return error
@@ -101,7 +96,7 @@ async def _on_unexpected_error(request: Request, exc: Exception):
     original = unwrap(exc)
     if isinstance(original, ServeAppError):
         return error_response(original)
-    logger.exception("unhandled error on %s %s (request %s)", request.method, request.url.path, _request_id())
+    logger.exception("unhandled error on %s %s (request %s)", request.method, request.url.path, request_id())
     return error_response(ServeAppError("internal server error; see the server log", code="internal_error"))
 
 

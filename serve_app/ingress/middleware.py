@@ -93,7 +93,8 @@ class RequestObserver:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        context, token = request_context.begin(ingress_state(scope["app"]).request_timeout_s)
+        state = ingress_state(scope["app"])
+        context, token = request_context.begin(state.request_timeout_s)
         status = 500
         started = time.perf_counter()
 
@@ -111,7 +112,7 @@ class RequestObserver:
             route = scope.get("route")
             endpoint = getattr(route, "path", None) or "unmatched"
             try:
-                ingress_state(scope["app"]).traffic.observe(
+                state.traffic.observe(
                     model=context.model, endpoint=endpoint, status=status,
                     latency_s=time.perf_counter() - started, cache=context.cache, code=context.code)
             except Exception:  # observing must never fail a request

@@ -23,6 +23,8 @@ import time
 import uuid
 from typing import Any, Optional
 
+from ray.serve.context import _get_serve_request_context
+
 _CURRENT: contextvars.ContextVar[Optional["RequestContext"]] = contextvars.ContextVar(
     "serve_app_request", default=None)
 
@@ -45,14 +47,8 @@ def wall_clock(monotonic_deadline: float) -> float:
 
 def serve_request_id() -> str:
     """Serve's id of the request being served (the one its logs and replicas see); a fresh
-    one outside Serve."""
-    try:
-        from ray.serve.context import _get_serve_request_context
-
-        request_id = _get_serve_request_context().request_id
-    except Exception:  # noqa: BLE001 - outside a Serve replica (unit tests)
-        request_id = ""
-    return request_id or uuid.uuid4().hex
+    one outside Serve, whose context then holds an empty id."""
+    return _get_serve_request_context().request_id or uuid.uuid4().hex
 
 
 def begin(timeout_s: float, request_id: Optional[str] = None) -> tuple[RequestContext, contextvars.Token]:
@@ -68,6 +64,12 @@ def end(token: contextvars.Token) -> None:
 def current() -> Optional[RequestContext]:
     """The context of the request being served; None outside one."""
     return _CURRENT.get()
+
+
+def request_id() -> str:
+    """The id of the request being served, for log lines; "-" outside one."""
+    context = _CURRENT.get()
+    return context.request_id if context is not None else "-"
 
 
 def note(**fields: Any) -> None:

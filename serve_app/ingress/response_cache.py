@@ -183,7 +183,7 @@ class ResponseCache:
             # The lookup only saves work: it may not spend the model call's time.
             embed_by = time.monotonic() + semantic.embed_timeout_s
             embedded = await self._embed_for_cache(semantic.embedding_model, asked.question,
-                                                   embed_by if deadline is None else min(deadline, embed_by))
+                                                   min(deadline, embed_by))
             if embedded is not None:
                 vector, embedder_revision = embedded
                 question = asked.question

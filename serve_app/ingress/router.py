@@ -71,7 +71,7 @@ class Router:
             router)
         self.cache = ResponseCache(self.config.cache, cache_handle, self.models, self.client)
         self.status = ServiceStatus(self.models, self.client, self.cache)
-        self.serving = Serving(self.config, self.client, self.cache)
+        self.serving = Serving(self.models, self.client, self.cache, log_payloads=self.config.router.log_payloads)
         self.created = int(time.time())
 
     def __serve_build_asgi_app__(self) -> FastAPI:

@@ -10,12 +10,12 @@ from typing import Any
 
 from fastapi import Response
 
-from serve_app.config import AppConfig, ModelConfig
+from serve_app.config import ModelConfig
 from serve_app.core.calls import ModelCall, ModelResult
 from serve_app.core.errors import InvalidRequestError, ModelNotFoundError
 from serve_app.core.tasks import CAPABILITIES
 from serve_app.ingress.model_client import ModelClient
-from serve_app.ingress.request_context import current, note
+from serve_app.ingress.request_context import note, request_id
 from serve_app.ingress.response_cache import ResponseCache
 
 logger = logging.getLogger("ray.serve")
@@ -27,11 +27,12 @@ def _clip(value: Any, limit: int = 500) -> str:
 
 
 class Serving:
-    def __init__(self, config: AppConfig, client: ModelClient, cache: ResponseCache):
-        self.models: dict[str, ModelConfig] = {m.name: m for m in config.models}
+    def __init__(self, models: dict[str, ModelConfig], client: ModelClient, cache: ResponseCache, *,
+                 log_payloads: bool):
+        self.models = models
         self.client = client
         self.cache = cache
-        self.log_payloads = config.router.log_payloads
+        self.log_payloads = log_payloads
 
     def model(self, name: str, task: str, endpoint: str) -> ModelConfig:
         """The served model called ``name``; a 404 for an unknown one, a 400 for one of
@@ -58,6 +59,5 @@ class Serving:
     def log_payload(self, model: ModelConfig, inputs: Any, outputs: Any = None) -> None:
         """Prompts and answers reach the log only when router.log_payloads asks for it."""
         if self.log_payloads:
-            context = current()
-            logger.info("payload model=%s request=%s input=%s output=%s", model.name,
-                        context.request_id if context else "-", _clip(inputs), _clip(outputs))
+            logger.info("payload model=%s request=%s input=%s output=%s", model.name, request_id(),
+                        _clip(inputs), _clip(outputs))

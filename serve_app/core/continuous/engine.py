@@ -312,7 +312,7 @@ class ContinuousBatcher:
             now = time.monotonic()
             for row, delta in zip(rows, deltas):
                 row.handle.first_token_at = now
-                self._deliver(row, delta)
+                row.deliver(delta)
             for row in rows:
                 if row.finish_reason is not None:
                     self._finish(row, row.finish_reason)
@@ -400,7 +400,7 @@ class ContinuousBatcher:
 
     def _accept(self, row: BatchRow, token: int) -> None:
         """Record a sampled token, stream its text, and decide whether the row ends."""
-        self._deliver(row, self._take(row, token))
+        row.deliver(self._take(row, token))
 
     def _take(self, row: BatchRow, token: int) -> str:
         """Record a sampled token and decide whether the row ends; return its new text, not yet streamed."""
@@ -451,16 +451,13 @@ class ContinuousBatcher:
 
     # ------------------------------------------------------------------ delivering
 
-    def _deliver(self, row: BatchRow, delta: str) -> None:
-        row.deliver(delta)
-
     def _finish(self, row: BatchRow, reason: str) -> None:
         """End a row with a result: flush its held-back text, tell its sink."""
         if row.ended:
             return
         try:
             row.finish_reason = reason
-            self._deliver(row, row.stream.finish())
+            row.deliver(row.stream.finish())
             handle = row.handle
             result = GenerationResult(
                 text=row.stream.text, token_ids=list(row.tokens), finish_reason=reason,
