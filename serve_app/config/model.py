@@ -11,6 +11,7 @@ from pydantic import Field, field_validator, model_validator
 from serve_app.config.base import _Section
 from serve_app.config.cache import ModelCacheConfig
 from serve_app.config.vllm import VLLMConfig
+from serve_app.core.models.checkpoint_formats import VLLM_FORMATS, VLLMFormat, check_vllm_format
 from serve_app.core.models.quantization import Quantization, check_quantization
 from serve_app.core.tasks import PRECISION_CHOICES, TASKS, VLLM_TASKS
 
@@ -116,11 +117,15 @@ class ModelConfig(_Section):
         "replica lands on, bf16 where the GPU supports it or the CPU has bf16 matrix units (AVX-512 BF16 or AMX), "
         "else fp32 (emulated bf16 is slower than fp32); the replica logs which and why. fp16 needs a GPU.",
     )
-    quantization: Quantization = Field(
+    quantization: Literal[Quantization, VLLMFormat] = Field(
         "none",
-        description="Weight quantization applied at load: none | int8 (torchao weight-only, CPU or GPU) | "
-        "int4 (torchao weight-only, groups of 32; needs precision: bf16) | bnb-8bit | bnb-4bit "
-        "(bitsandbytes, GPU only, precision bf16 or fp16). See docs/optimize/ for measured quality and speed.",
+        description="How the weights are quantized. On the transformers engines, applied at load: int8 (torchao "
+        "weight-only, CPU or GPU) | int4 (torchao weight-only, groups of 32; needs precision: bf16) | bnb-8bit | "
+        "bnb-4bit (bitsandbytes, GPU only, precision bf16 or fp16). On vLLM, the format of the checkpoint "
+        "`source` names: w8a8 | w4a16 (written by python -m serve_app.optimize quantize --format; both run on "
+        "CPU and GPU) | awq | gptq (CPU and GPU) | fp8 (GPU, or a CPU with AMX tiles; vLLM quantizes a "
+        "full-precision source at load). A vLLM format sets engine: vllm. none: as the source holds them. "
+        "See docs/optimize/ for measured quality and speed.",
     )
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="'auto': the GPU Ray assigned if CUDA sees one, else CPU. 'cuda' requires num_gpus > 0."
@@ -219,13 +224,19 @@ class ModelConfig(_Section):
             return self
         # The device a replica will get: 'auto' finds a GPU only when the model asks Ray for one.
         on_gpu = self.device == "cuda" or (self.device == "auto" and self.resources.num_gpus > 0)
-        # "auto" is resolved on the replica's node; here it may still become bf16, which
-        # every quantization accepts, and the loader checks again with what it resolved to.
-        precision = "bf16" if self.precision == "auto" else self.precision
+        where = "a GPU" if on_gpu else f"CPU (device {self.device}, resources.num_gpus {self.resources.num_gpus})"
         try:
-            check_quantization(self.quantization, precision, "cuda" if on_gpu else "cpu")
+            if self.quantization in VLLM_FORMATS:
+                # On CPU, fp8 depends on the CPU: checked here with this machine's flags,
+                # and again by the replica with its node's.
+                check_vllm_format(self.quantization, "cuda" if on_gpu else "cpu")
+            else:
+                # "auto" is resolved on the replica's node; here it may still become bf16,
+                # which every quantization accepts, and the loader checks again with what it
+                # resolved to.
+                precision = "bf16" if self.precision == "auto" else self.precision
+                check_quantization(self.quantization, precision, "cuda" if on_gpu else "cpu")
         except ValueError as exc:
-            where = "a GPU" if on_gpu else f"CPU (device {self.device}, resources.num_gpus {self.resources.num_gpus})"
             raise ValueError(f"model {self.name!r} on {where}: {exc}") from None
         return self
 
@@ -238,7 +249,16 @@ class ModelConfig(_Section):
                     f"model {self.name!r}: engine is 'transformers' but generation.engine is 'vllm'; pick one"
                 )
             self.engine = "vllm"
-        elif self.engine == "vllm" and generation_engine in ("static", "continuous"):
+        transformers_engine = self.engine == "transformers" or generation_engine in ("static", "continuous")
+        if self.quantization in VLLM_FORMATS:
+            if transformers_engine:
+                raise ValueError(
+                    f"model {self.name!r}: quantization {self.quantization} is a checkpoint format vLLM serves, "
+                    "but the model asks for a transformers engine; set engine: vllm (or auto), or use "
+                    "quantization: int8 or int4 on the transformers engines"
+                )
+            self.engine = "vllm"
+        if self.engine == "vllm" and generation_engine in ("static", "continuous"):
             raise ValueError(
                 f"model {self.name!r}: engine is 'vllm' but generation.engine is {generation_engine!r}, a "
                 "transformers engine; drop generation.engine or set engine: transformers"
@@ -250,10 +270,11 @@ class ModelConfig(_Section):
                 f"model {self.name!r}: engine vllm serves {' and '.join(VLLM_TASKS)} models, not {self.task}; "
                 "use engine: transformers (or auto)"
             )
-        if self.quantization != "none":
+        if self.quantization != "none" and self.quantization not in VLLM_FORMATS:
             raise ValueError(
-                f"model {self.name!r}: quantization {self.quantization!r} is applied by the transformers runtime; "
-                "with engine vllm use vLLM's own (vllm.engine_args.quantization, e.g. fp8) or engine: transformers"
+                f"model {self.name!r}: quantization {self.quantization} is applied by the transformers runtime "
+                f"(torchao, bitsandbytes); on vLLM serve a checkpoint in one of {', '.join(VLLM_FORMATS)} "
+                "(python -m serve_app.optimize quantize --format w8a8 writes one), or set engine: transformers"
             )
         tp, gpus = self.vllm.tensor_parallel_size, self.resources.num_gpus
         if tp > 1 and gpus != tp:

@@ -14,7 +14,7 @@ from serve_app.config.base import _Section
 _OWNED_ENGINE_ARGS = frozenset({
     "model", "tokenizer", "dtype", "revision", "trust_remote_code", "max_model_len", "max_num_seqs",
     "max_num_batched_tokens", "enable_prefix_caching", "enable_chunked_prefill", "gpu_memory_utilization",
-    "tensor_parallel_size", "enforce_eager", "runner", "disable_log_stats", "seed",
+    "tensor_parallel_size", "enforce_eager", "runner", "disable_log_stats", "seed", "quantization",
 })
 
 
@@ -68,7 +68,8 @@ class VLLMConfig(_Section):
     engine_args: dict[str, Any] = Field(
         default_factory=dict,
         description="Any other vLLM engine argument (AsyncEngineArgs), passed as given, e.g. "
-        "{quantization: fp8, kv_cache_dtype: fp8}. Checked by vLLM when the replica starts.",
+        "{kv_cache_dtype: fp8}. Checked by vLLM when the replica starts. (Quantization is the model's "
+        "`quantization`.)",
     )
 
     @field_validator("engine_args")

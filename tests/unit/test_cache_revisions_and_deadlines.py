@@ -302,6 +302,9 @@ def test_engines_devices_and_vllm_options_get_their_own_revisions():
     fp8 = answer_revision(_gen_config(engine="vllm", vllm={"engine_args": {"kv_cache_dtype": "fp8"}}),
                           vllm_runtime(), "vllm")
     assert base != fp8
+    # vLLM's fp8 quantization at load: the same files, other answers.
+    assert answer_revision(_gen_config(engine="vllm", quantization="fp8", resources={"num_gpus": 1}),
+                           vllm_runtime(), "vllm") != base
     # A pinned revision is the operator's: it is used as given.
     assert answer_revision(_gen_config(cache={"revision": "pinned"}), runtime, "static") == "pinned"
 

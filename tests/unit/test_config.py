@@ -83,7 +83,10 @@ def test_generation_engine_vllm_is_the_models_engine_vllm():
             ["generation.engine is 'static', a transformers engine"],
         ),
         (_minimal(task="text-classification", engine="vllm"), ["engine vllm serves embedding and text-generation"]),
-        (_minimal(engine="vllm", quantization="int8"), ["vLLM's own (vllm.engine_args.quantization"]),
+        (_minimal(engine="vllm", quantization="int8"), ["quantization int8 is applied by the transformers runtime",
+                                                        "optimize quantize --format w8a8"]),
+        (_minimal(engine="transformers", quantization="w8a8"), ["quantization w8a8 is a checkpoint format vLLM serves"]),
+        (_minimal(vllm={"engine_args": {"quantization": "fp8"}}), ["engine_args sets quantization"]),
         (
             _minimal(engine="vllm", resources={"num_gpus": 2}, vllm={"tensor_parallel_size": 4}),
             ["tensor_parallel_size is 4 but resources.num_gpus is 2.0", "set resources.num_gpus: 4"],

@@ -117,7 +117,8 @@ def test_config_accepts_each_mode_where_it_runs():
         (dict(quantization="int4", precision="fp32"), ["int4 needs precision bf16, got fp32", "set precision: bf16"]),
         (dict(quantization="bnb-4bit", precision="fp32", resources={"num_gpus": 1}),
          ["model 'm' on a GPU", "set precision: bf16"]),
-        (dict(quantization="int2"), ["args.models.0.quantization", "'none', 'int8', 'int4', 'bnb-8bit' or 'bnb-4bit'"]),
+        (dict(quantization="int2"), ["args.models.0.quantization", "'none', 'int8', 'int4', 'bnb-8bit', 'bnb-4bit', "
+                                        "'w8a8', 'w4a16', 'awq', 'gptq' or 'fp8'"]),
     ],
 )
 def test_config_rejects_combinations_that_cannot_run(model, expected):
@@ -127,12 +128,13 @@ def test_config_rejects_combinations_that_cannot_run(model, expected):
         assert fragment in str(info.value)
 
 
-def test_config_modes_are_the_runtime_modes():
+def test_config_modes_are_the_runtime_modes_and_the_vllm_formats():
     from typing import get_args
 
     from serve_app.config import ModelConfig
+    from serve_app.core.models.checkpoint_formats import VLLM_FORMATS
 
-    assert get_args(ModelConfig.model_fields["quantization"].annotation) == QUANTIZATIONS
+    assert get_args(ModelConfig.model_fields["quantization"].annotation) == QUANTIZATIONS + VLLM_FORMATS
 
 
 # --------------------------------------------------------------------------- weight bytes

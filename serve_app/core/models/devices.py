@@ -4,10 +4,10 @@ stands for there (:func:`resolve_precision`) and the dtype of each precision."""
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import torch
 
+from serve_app.core.models.hardware import cpu_flags
 from serve_app.core.tasks import PRECISION_CHOICES, PRECISIONS
 
 logger = logging.getLogger(__name__)
@@ -47,18 +47,6 @@ def resolve_device(requested: str = "auto") -> torch.device:
 #: one, torch emulates bf16 matmuls through fp32 and bf16 is slower than fp32.
 CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
-
-def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
-    """The CPU's feature flags from /proc/cpuinfo (empty where there is none: macOS, Windows)."""
-    try:
-        text = cpuinfo.read_text()
-    except OSError:
-        return frozenset()
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):  # x86 | ARM
-            return frozenset(value.split())
-    return frozenset()
 
 
 def resolve_precision(precision: str, device: torch.device, flags: frozenset[str] | None = None) -> tuple[str, str]:

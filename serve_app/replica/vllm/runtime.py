@@ -19,6 +19,7 @@ from serve_app.core.errors import (
     InvalidRequestError,
 )
 from serve_app.core.models.base import token_id_input, vocabulary_size
+from serve_app.core.models.checkpoint_formats import VLLM_FORMATS, check_checkpoint_matches, check_vllm_format
 from serve_app.core.models.generation import encode_chat_template
 from serve_app.replica.vllm.stats import EngineStatsLogger
 
@@ -34,7 +35,7 @@ _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 def vllm_unavailable(config: ModelConfig, model_dir: Path) -> Optional[str]:
     """Why vLLM cannot run this model here, or None if it can (``engine: auto``)."""
     # The task is settled before: ModelServer asks only for tasks vLLM runs (VLLM_TASKS).
-    if config.quantization != "none":
+    if config.quantization != "none" and config.quantization not in VLLM_FORMATS:
         return f"quantization {config.quantization} is the transformers runtime's"
     if importlib.util.find_spec("vllm") is None:
         return "vLLM is not installed on this node (make install adds it on Linux x86_64)"
@@ -158,6 +159,16 @@ def engine_args(config: ModelConfig, model_dir: Path) -> dict[str, Any]:
         # Encoder-only (pooling) models keep no KV cache between steps: vLLM refuses both there.
         args.update(enable_prefix_caching=options.enable_prefix_caching,
                     enable_chunked_prefill=options.enable_chunked_prefill)
+    if config.quantization in VLLM_FORMATS:
+        on_cpu = config.resources.num_gpus <= 0 or config.device == "cpu"
+        try:
+            # Checked again here, on the replica's node: fp8 on CPU depends on its CPU.
+            check_vllm_format(config.quantization, "cpu" if on_cpu else "cuda")
+            online = check_checkpoint_matches(config.quantization, model_dir)
+        except ValueError as exc:
+            raise ValueError(f"model {config.name!r}: {exc}") from None
+        if online:  # vLLM quantizes the full-precision weights while loading them
+            args["quantization"] = online
     if options.tensor_parallel_size > 1:
         # Shards run as Ray actors in the replica's placement group (serve_app.app).
         args["distributed_executor_backend"] = "ray"
