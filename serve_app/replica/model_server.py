@@ -54,10 +54,11 @@ from serve_app.core.calls import (
 from serve_app.core.errors import InvalidRequestError, ServeAppError
 from serve_app.core.batching.executor import Budget, ModelPacedExecutor
 from serve_app.core.models import LoadOptions, load_runtime
-from serve_app.core.models.devices import resolve_device, resolve_precision
+from serve_app.core.models.devices import resolve_device
 from serve_app.core.models.sources import model_revision, resolve_source
 from serve_app.core.batching.static import Row, batch_cost, expired, new_row, run_static_batch
 from serve_app.metrics import BatchMetrics
+from serve_app.optimize.precision_gate import replica_precision
 from serve_app.replica.engines import make_engine, static_generate
 from serve_app.replica.inputs import encode_each, in_image_thread, in_tokenizer_thread
 from serve_app.replica.startup import StartupTimes, directory_bytes, process_started_at, warmup_calls
@@ -179,7 +180,9 @@ class ModelServer:
         started = time.perf_counter()
         try:
             # "auto" becomes bf16 or fp32 here, on the node the replica landed on.
-            precision, why = resolve_precision(config.precision, resolve_device(config.device))
+            # (through the quality gate: a model whose bf16 answers fall below the floor stays fp32)
+            with self.startup.phase("load"):
+                precision, why = replica_precision(config, resolve_device(config.device))
             logger.info("model %s: precision %s (%s)", config.name, precision, why)
             config = config.model_copy(update={"precision": precision})
             if self._wants_vllm():
@@ -468,7 +471,7 @@ def answer_revision(config: ModelConfig, runtime: Any, engine_kind: Optional[str
     precision, quantization) extended with everything else that changes an answer: the
     engine (static, continuous and vLLM answer differently for the same weights), the
     device type (CPU and GPU kernels round differently), vLLM's own options that change
-    numerics (engine_args such as quantization or kv_cache_dtype, tensor parallelism,
+    numerics (its quantization, engine_args such as kv_cache_dtype, tensor parallelism,
     CUDA graphs), and :data:`ANSWERS_VERSION`. Two replicas that could answer one request
     differently never report the same revision, so they never share cache keys."""
     if config.cache.revision:
@@ -481,7 +484,7 @@ def answer_revision(config: ModelConfig, runtime: Any, engine_kind: Optional[str
     if isinstance(runtime, VLLMRuntime):
         vllm = config.vllm
         answers["vllm"] = {"engine_args": vllm.engine_args, "tensor_parallel_size": vllm.tensor_parallel_size,
-                           "enforce_eager": vllm.enforce_eager}
+                           "enforce_eager": vllm.enforce_eager, "quantization": config.quantization}
     digest = hashlib.sha256(json.dumps(answers, sort_keys=True, default=str).encode()).hexdigest()[:12]
     return f"{runtime.revision}-{engine_kind or 'encoder'}-{digest}"
 

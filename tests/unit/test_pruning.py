@@ -143,7 +143,7 @@ def test_cli_prune_and_quantize_write_reports(tiny_llama_dir, tmp_path, capsys):
     common = ["--task", "text-generation", "--repeats", "2", "--decode-tokens", "2", "--batch-rows", "4",
               "--batch-tokens", "16"]
     assert cli.main(["prune", "--source", str(tiny_llama_dir), *common, "--ffn-keep", "0.5", "--out", str(out),
-                     "--recover-steps", "3", "--calibration-max-tokens", "32"]) == 0
+                     "--recover-steps", "3", "--calibration-max-tokens", "32", "--allow-below-floor"]) == 0
     report = json.loads((out / "optimize-report.json").read_text())
     names = [row["name"] for row in report["models"]]
     assert names == ["original", "pruned ffn 0.5 heads 1, no recovery", "pruned ffn 0.5 heads 1 + 3 recovery steps"]
@@ -151,6 +151,7 @@ def test_cli_prune_and_quantize_write_reports(tiny_llama_dir, tmp_path, capsys):
     assert pruned_row["parameters"] < report["models"][0]["parameters"]
     assert 0 <= pruned_row["quality"]["next_token_agreement"] <= 1 and pruned_row["speed"]["latency_ms_median"] > 0
     assert report["heldout"]["disjoint_from_calibration"] and report["recovery"]["steps"] == 3
+    assert report["gate"]["written"] and 0 <= pruned_row["quality"]["greedy_agreement"] <= 1
     assert "| original |" in (out / "optimize-report.md").read_text()
     assert load_runtime(LoadOptions(source=str(out), task="text-generation")).model.config.intermediate_size == 32
 
