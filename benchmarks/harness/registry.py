@@ -42,7 +42,7 @@ SCENARIO_MODULES = (
     "benchmarks.scenarios.recipe", "benchmarks.scenarios.generation", "benchmarks.scenarios.cache",
     "benchmarks.scenarios.trace", "benchmarks.scenarios.day", "benchmarks.scenarios.generation_mixed",
     "benchmarks.scenarios.precision", "benchmarks.scenarios.engines", "benchmarks.scenarios.startup",
-    "benchmarks.scenarios.hangups",
+    "benchmarks.scenarios.hangups", "benchmarks.scenarios.cheaper_vllm",
 )
 
 

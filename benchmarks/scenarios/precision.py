@@ -38,7 +38,8 @@ def _pruned_model_dir(source: str, out_dir: Path, recover_steps: int) -> Path:
         return target
     command = [sys.executable, "-m", "serve_app.optimize", "prune", "--source", source, "--task", "embedding",
                "--ffn-keep", "0.5", "--recover-steps", str(recover_steps), "--out", str(target),
-               "--report", str(out_dir / f"prune-ffn50-recover{recover_steps}.json"), "--force"]
+               "--report", str(out_dir / f"prune-ffn50-recover{recover_steps}.json"), "--force",
+               "--allow-below-floor"]
     print("   building the pruned variant:", " ".join(command), flush=True)
     subprocess.run(command, check=True)
     return target

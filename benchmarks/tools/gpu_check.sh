@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The CUDA paths on one GPU, in about 8 minutes once set up, with side-by-side figures:
+# The CUDA paths on one GPU, in about 18 minutes once set up, with side-by-side figures:
 #
 #   bash benchmarks/tools/gpu_check.sh      # from the repo root, on a machine with an NVIDIA GPU
 #
@@ -15,6 +15,8 @@
 #   generation  `--scenario generation --quick`: the transformers static engine.
 #   precision   `--scenario precision --quick`: embeddings in fp32 / bf16 / torchao int8 / int4 /
 #               pruned on the GPU, with cosine to fp32.
+#   cheaper     `--scenario cheaper-vllm --quick`: fp32 / bf16 / w8a8 / w4a16 / pruned / fp8 variants of
+#               SmolLM2 and MiniLM on vLLM's CUDA kernels (checkpoints built on the CPU first).
 #   bnb         bitsandbytes 8-bit and 4-bit (NF4) embeddings in-process, against bf16 (skipped
 #               when bitsandbytes is not installed).
 #   summary     one table: tokens/s, TTFT and embeddings/s per system, then the other steps.
@@ -30,7 +32,7 @@
 #   TORCH_SPEC, VLLM_SPEC   the pins handed to `make install` (vllm 0.33.0 pins torch==2.14.0:
 #                    change them together)
 #   GPU_CHECK_SKIP   space-separated steps to skip, e.g. "generation bnb"
-#   T_SETUP T_SANITY T_ENGINES T_GENERATION T_PRECISION T_BNB   per-step timeouts in seconds
+#   T_SETUP T_SANITY T_ENGINES T_GENERATION T_PRECISION T_CHEAPER T_BNB   per-step timeouts in seconds
 set -euo pipefail
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -41,12 +43,13 @@ OUT="${GPU_CHECK_OUT:-benchmark-results/gpu-check-$(date -u +%Y%m%dT%H%M%SZ)}"
 TORCH_SPEC="${TORCH_SPEC:-torch==2.14.0}"
 VLLM_SPEC="${VLLM_SPEC:-vllm==0.33.0}"
 SKIP=" ${GPU_CHECK_SKIP:-} "
-# Per-step limits: the five measured steps add up to 8 minutes (setup, downloads, is apart).
+# Per-step limits: the six measured steps add up to 18 minutes (setup, downloads, is apart).
 T_SETUP="${T_SETUP:-1800}"
 T_SANITY="${T_SANITY:-20}"
 T_ENGINES="${T_ENGINES:-290}"
 T_GENERATION="${T_GENERATION:-50}"
 T_PRECISION="${T_PRECISION:-90}"
+T_CHEAPER="${T_CHEAPER:-600}"
 T_BNB="${T_BNB:-30}"
 
 export HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}"
@@ -185,6 +188,7 @@ export -f bench
 run_step engines "$T_ENGINES" bench engines
 run_step generation "$T_GENERATION" bench generation
 run_step precision "$T_PRECISION" bench precision
+run_step cheaper "$T_CHEAPER" bench cheaper-vllm
 
 # ---- bitsandbytes: 8-bit and NF4 embeddings against bf16, in-process ----------------------
 bnb() {
@@ -309,6 +313,16 @@ if precision:
           [[r["variant"], fmt(r.get("throughput_rps")), fmt(r.get("p95_ms")), fmt(r.get("cosine_mean"), 4),
             fmt(r.get("cosine_min"), 4), r.get("errors")]
            for r in precision.get("runs", []) if "another round" not in r["variant"]])
+
+cheaper = scenario("cheaper-vllm")
+if cheaper:
+    print("\ncheaper-vllm (variants on vLLM's CUDA kernels; quality against fp32):")
+    table(["variant", "decode tok/s (1 / 16 streams)", "TTFT ms", "embeddings/s", "agreement", "ppl / fp32",
+           "cosine", "MB resident"],
+          [[r["variant"], f"{fmt(r.get('decode_tokens_per_s_1_stream'))} / {fmt(r.get('decode_tokens_per_s_16_streams'))}",
+            fmt(r.get("ttft_ms_median")), fmt(r.get("embeddings_per_s")), fmt(r.get("greedy_agreement"), 3),
+            fmt(r.get("perplexity_vs_fp32"), 3), fmt(r.get("cosine_to_fp32_mean"), 4), fmt(r.get("resident_mb"), 0)]
+           for r in cheaper.get("runs", [])])
 
 bnb = out / "bnb.json"
 if bnb.is_file():

@@ -32,6 +32,8 @@ NOT_IN_SMOKE = {
     # Eight vLLM starts in turn (ours and vLLM's server, cold and warm, two models),
     # half of them compiling from scratch: ~10 min whatever the request count.
     "startup": "eight vLLM starts in turn, four of them cold: ~10 min even in tiny mode",
+    # Builds quantized and pruned checkpoints (minutes each, cached) before its vLLM starts.
+    "cheaper-vllm": "builds four checkpoints per model, then ten vLLM starts in turn",
 }
 SCENARIO_NAMES = [name for name in load_all() if name not in NOT_IN_SMOKE]
 DURATIONS: dict[str, float] = {}
