@@ -21,9 +21,11 @@ This module must never import ray.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import hashlib
 import json
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -57,9 +59,18 @@ def measure(model_dir: Path, task: str, device: str, *, trust_remote_code: bool 
     from serve_app.optimize.evaluation import task_evaluation
 
     options = dict(source=str(model_dir), task=task, device=device, trust_remote_code=trust_remote_code)
-    reference = load_runtime(LoadOptions(**options, precision="fp32"))
-    candidate = load_runtime(LoadOptions(**options, precision="bf16"))
-    return {**q.quality(reference, candidate, heldout_texts()), **task_evaluation(reference, candidate)}
+    try:
+        reference = load_runtime(LoadOptions(**options, precision="fp32"))
+        candidate = load_runtime(LoadOptions(**options, precision="bf16"))
+        return {**q.quality(reference, candidate, heldout_texts()), **task_evaluation(reference, candidate)}
+    finally:
+        reference = candidate = None
+        # The engine that starts next (vLLM sizes itself by the GPU's free memory) gets it all back.
+        gc.collect()
+        if device.startswith("cuda"):
+            import torch
+
+            torch.cuda.empty_cache()
 
 
 def gated_precision(model_dir: Path, task: str, device_type: str, device: str, *,
@@ -79,9 +90,9 @@ def gated_precision(model_dir: Path, task: str, device_type: str, device: str, *
         verdict = {"figures": figures, "shortfalls": floor.shortfalls(figures),
                    "seconds": round(time.perf_counter() - started, 1)}
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")  # replicas of one model may measure at once
         tmp.write_text(json.dumps(verdict, indent=2))
-        tmp.replace(path)  # atomic: replicas of one model may measure at once
+        tmp.replace(path)  # atomic: a reader sees a whole verdict or none
         measured = f"measured in {verdict['seconds']} s"
     shown = {k: v for k, v in verdict["figures"].items()
              if k in ("greedy_agreement", "perplexity_reference", "perplexity_candidate", "embedding_cosine_mean",
@@ -106,6 +117,11 @@ def replica_precision(config: Any, device: Any) -> tuple[str, str]:
                                trust_remote_code=config.trust_remote_code)
     if checkpoint_format(model_dir) != "none":
         return precision, why
-    gated, reason = gated_precision(model_dir, config.task, device.type, str(device),
-                                    trust_remote_code=config.trust_remote_code)
+    try:
+        gated, reason = gated_precision(model_dir, config.task, device.type, str(device),
+                                        trust_remote_code=config.trust_remote_code)
+    except Exception as exc:  # e.g. an architecture only vLLM loads: the gate must not stop the start
+        logger.warning("model %s: the precision gate could not measure bf16 (%s: %s); keeping %s",
+                       config.name, type(exc).__name__, exc, precision)
+        return precision, f"{why}; not gated: {type(exc).__name__}"
     return gated, f"{why}; {reason}"

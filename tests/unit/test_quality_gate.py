@@ -111,3 +111,21 @@ def test_the_gate_measures_bf16_against_fp32_with_the_optimize_figures(tiny_bert
     figures = precision_gate.measure(tiny_bert_embedding_dir, "embedding", "cpu")
     assert 0.9 < figures["embedding_cosine_mean"] <= 1.0
     assert 0 <= figures["retrieval_accuracy_candidate"] <= 1
+
+
+def test_a_model_the_gate_cannot_measure_keeps_the_hardwares_pick(tiny_llama_dir, tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from serve_app.optimize import precision_gate
+
+    monkeypatch.setenv("SERVE_APP_CACHE", str(tmp_path))
+    monkeypatch.setattr(precision_gate, "resolve_precision", lambda precision, device: ("bf16", "auto: bf16 units"))
+
+    def unloadable(*args, **kwargs):
+        raise ValueError("architecture FooForCausalLM is not supported")
+
+    monkeypatch.setattr(precision_gate, "measure", unloadable)
+    config = SimpleNamespace(name="m", precision="auto", quantization="none", task="text-generation",
+                             source=str(tiny_llama_dir), hub_revision=None, trust_remote_code=False)
+    precision, why = precision_gate.replica_precision(config, SimpleNamespace(type="cpu"))
+    assert precision == "bf16" and why == "auto: bf16 units; not gated: ValueError"
