@@ -30,6 +30,9 @@ from typing import Any, AsyncIterator, Awaitable, Callable, ClassVar, Optional, 
 from serve_app.core.errors import ServeAppError
 
 
+_GREEDY_BELOW, _MIN_TEMPERATURE = 1e-5, 1e-2
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Everything that must be equal for rows to share one generate() call."""
@@ -42,6 +45,14 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs, sorted by id
+
+    def __post_init__(self):
+        # A temperature that small divides the logits to inf and the draw fails on NaN
+        # (a 500 after the request was queued). vLLM's own rule, so every engine and the
+        # cache key agree: below 1e-5 is greedy, below 1e-2 is raised to 1e-2.
+        t = self.temperature
+        if t is not None and 0 < t < _MIN_TEMPERATURE:
+            object.__setattr__(self, "temperature", 0.0 if t < _GREEDY_BELOW else _MIN_TEMPERATURE)
 
     @property
     def penalised(self) -> bool:

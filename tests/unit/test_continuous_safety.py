@@ -389,3 +389,19 @@ def test_a_plain_generation_config_adds_no_per_row_processing(llm):
     batcher.step()
     (row,) = batcher._active
     assert row.processors is None
+
+
+@pytest.mark.parametrize("temperature", [4.5e-296, 1e-6, 1e-3])
+def test_a_vanishing_temperature_is_an_answer_not_an_error_in_both_engines(llm, temperature):
+    # logits / 4.5e-296 is inf and the draw failed on NaN: a 500 after the call was queued.
+    params = SamplingParams(temperature=temperature, seed=7)
+    assert params.temperature in (0.0, 1e-2), "vLLM's rule: below 1e-5 greedy, else at least 1e-2"
+    req = _req(llm, "Hello world", 8)
+    static = _alone(llm, req, params)
+    batcher = ContinuousBatcher(llm, max_rows=1, kv_token_budget=10_000)
+    sink = Sink()
+    batcher.submit(req, params, sink)
+    _drain(batcher)
+    assert len(sink.result.token_ids) == len(static.token_ids) > 0
+    if params.greedy:
+        assert sink.result.token_ids == static.token_ids == _alone(llm, req).token_ids
