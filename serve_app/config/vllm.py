@@ -65,6 +65,12 @@ class VLLMConfig(_Section):
         "token at once): fewer messages per token, so more tokens/s on the same CPUs, as Ray Serve LLM batches "
         "streams every 50 ms. 0 sends every engine step's tokens as they come.",
     )
+    tool_parser: Optional[str] = Field(
+        None, description="vLLM's parser of the model's own tool-call format, for tool_choice auto "
+        "(vllm.tool_parsers: hermes for Qwen2.5 and Hermes, llama3_json for Llama 3.1+, mistral, pythonic, ...). "
+        "Without one, tool_choice auto is a 400; required and a named function work on any model (the output "
+        "is constrained to the functions' schemas).",
+    )
     engine_args: dict[str, Any] = Field(
         default_factory=dict,
         description="Any other vLLM engine argument (AsyncEngineArgs), passed as given, e.g. "

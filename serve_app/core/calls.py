@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import inspect
+import json
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable, ClassVar, Optional, Protocol, Sequence, Union
 
@@ -68,8 +69,41 @@ class SamplingParams:
 class ChatTurn:
     """One chat message as the model sees it: the router maps "developer" to "system"."""
 
-    role: str  # "system" | "user" | "assistant"
+    role: str  # "system" | "user" | "assistant" | "tool"
     content: str
+    # An assistant turn's calls: OpenAI's tool_calls list as canonical JSON text (hashable,
+    # and part of the cache key through chat()).
+    tool_calls: Optional[str] = None
+    tool_call_id: Optional[str] = None  # a tool turn: the call it answers
+
+    def template_message(self) -> dict:
+        """The turn as a chat template reads it. Templates index a call's arguments as an
+        object (Qwen2.5, Llama 3: ``tool_call.arguments | tojson``), so the JSON text
+        OpenAI sends is parsed, as vLLM's server does."""
+        message: dict = {"role": self.role, "content": self.content}
+        if self.tool_calls is not None:
+            calls = json.loads(self.tool_calls)
+            for call in calls:
+                function = call.get("function", {})
+                if isinstance(function.get("arguments"), str):
+                    function["arguments"] = json.loads(function["arguments"])
+            message["tool_calls"] = calls
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+@dataclass(frozen=True)
+class ToolsSpec:
+    """OpenAI's ``tools`` and ``tool_choice`` for one chat (vLLM engine)."""
+
+    definitions: str  # the tools list as canonical JSON text
+    choice: str = "auto"  # "auto" | "required" | "function": call the one named in `function`
+    function: Optional[str] = None
+    parallel: bool = True  # parallel_tool_calls: False allows at most one call
+
+    def tool_list(self) -> list[dict]:
+        return json.loads(self.definitions)
 
 
 # ---- results --------------------------------------------------------------------------
@@ -155,22 +189,37 @@ class TokenLogprob(_Wire):
 
 
 @dataclass(frozen=True)
+class ToolCall(_Wire):
+    """One function call a model made. Its OpenAI id is the router's to give, per
+    response, so that an answer from the cache gets fresh ids too."""
+
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+    @classmethod
+    def from_wire(cls, data: Any) -> "ToolCall":
+        return cls(name=str(data["name"]), arguments=str(data["arguments"]))
+
+
+@dataclass(frozen=True)
 class Completion(_Wire):
     """One generated row (one choice)."""
 
-    text: str
-    finish_reason: str  # "stop" | "length" | "cancelled"
+    text: str  # with tool_calls: the text besides the calls ("" if none)
+    finish_reason: str  # "stop" | "length" | "tool_calls"
     # A prompt's tokens are counted once: on its first choice, 0 on the others (n > 1).
     prompt_tokens: int
     completion_tokens: int
     logprobs: Optional[tuple[TokenLogprob, ...]] = None  # only when the call asked for them
+    tool_calls: Optional[tuple[ToolCall, ...]] = None  # the calls the model made (a chat with tools)
 
     @classmethod
     def from_wire(cls, data: dict) -> "Completion":
-        logprobs = data.get("logprobs")
+        logprobs, tool_calls = data.get("logprobs"), data.get("tool_calls")
         return cls(text=str(data["text"]), finish_reason=str(data["finish_reason"]),
                    prompt_tokens=int(data["prompt_tokens"]), completion_tokens=int(data["completion_tokens"]),
-                   logprobs=None if logprobs is None else tuple(TokenLogprob.from_wire(t) for t in logprobs))
+                   logprobs=None if logprobs is None else tuple(TokenLogprob.from_wire(t) for t in logprobs),
+                   tool_calls=None if tool_calls is None else tuple(ToolCall.from_wire(t) for t in tool_calls))
 
 
 @dataclass(frozen=True)
@@ -200,6 +249,7 @@ class StreamDelta:
     index: int
     text: str
     logprobs: Optional[tuple[TokenLogprob, ...]] = None  # the new tokens', when the call asked
+    tool_calls: Optional[tuple[ToolCall, ...]] = None  # calls the row made (its last delta)
 
 
 @dataclass(frozen=True)
@@ -295,7 +345,7 @@ class GenerateCall:
     # None: no logprobs; k >= 0: each generated token's, with the k most likely alternatives.
     logprobs: Optional[int] = None
     response_format: Optional[ResponseFormat] = None
-    tools: Optional[str] = None  # OpenAI's tools list as canonical JSON text (chat only)
+    tools: Optional[ToolsSpec] = None  # chat only
     # The client did not send max_tokens: max_tokens is the model's default, and a prompt
     # that leaves less room gets what is left (as vLLM's server does), not a 400 naming a
     # field the client never sent. Not part of the cache key: what it changes follows
@@ -317,7 +367,7 @@ class GenerateCall:
         """The messages as chat-template dicts, or None for a completion."""
         if self.messages is None:
             return None
-        return [{"role": turn.role, "content": turn.content} for turn in self.messages]
+        return [turn.template_message() for turn in self.messages]
 
     def cache_input(self) -> Any:
         return list(self.prompts) if self.prompts is not None else self.chat()
@@ -336,7 +386,7 @@ class GenerateCall:
             "n": self.n,
             "logprobs": self.logprobs,
             "response_format": None if self.response_format is None else dataclasses.asdict(self.response_format),
-            "tools": self.tools,
+            "tools": None if self.tools is None else dataclasses.asdict(self.tools),
         }
 
 

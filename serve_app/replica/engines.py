@@ -105,17 +105,15 @@ class RowOutput:
             self.outcome.set_result(outcome)
 
 
-def refuse_tool_calls(call: GenerateCall) -> None:
-    """No engine of ours parses tool calls yet, vLLM's included: a 400 naming 'tools'."""
-    if call.tools is not None:
-        raise InvalidRequestError("tool calls are not supported yet; send the request without 'tools'", param="tools")
-
-
 def refuse_what_only_vllm_does(call: GenerateCall, engine: str) -> None:
     """A 400 naming the first field of the call that the transformers engines cannot do."""
-    refuse_tool_calls(call)
     response_format = call.response_format.type if call.response_format is not None else None
+    # A tool turn in the history is refused, not dropped: without it the answer would differ.
+    tool_turn = next((i for i, turn in enumerate(call.messages or ())
+                      if turn.role == "tool" or turn.tool_calls is not None), None)
     refused = (
+        ("tools", call.tools is not None, "tools"),
+        (f"messages.{tool_turn}", tool_turn is not None, "a conversation with tool calls"),
         ("n", call.n != 1, f"n={call.n}"),
         ("logprobs", call.logprobs is not None, "logprobs"),
         ("response_format", response_format is not None, f"response_format {response_format}"),
@@ -138,8 +136,8 @@ def prompt_ids(runtime: GenerationRuntime, call: GenerateCall) -> list[list[int]
     against the context window. Any runtime with encode_chat, encode_prompt and
     max_input_tokens will do (the vLLM engine's VLLMRuntime too)."""
     chat = call.chat()
-    if chat is not None:
-        rows = [runtime.encode_chat(chat)]
+    if chat is not None:  # tools: only the vLLM engine takes them (the others refuse them first)
+        rows = [runtime.encode_chat(chat, call.tools.tool_list()) if call.tools else runtime.encode_chat(chat)]
     else:
         rows = encode_each(runtime.encode_prompt, call.prompts, "prompt")
     window = runtime.max_input_tokens

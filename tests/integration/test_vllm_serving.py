@@ -124,6 +124,39 @@ def test_streamed_greedy_chat_equals_the_plain_answer(local):
     assert streamed == plain
 
 
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["C", "F"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+
+
+def test_tool_calls_with_the_openai_client_parse_against_the_schema_plain_and_streamed(local):
+    openai = pytest.importorskip("openai")
+    jsonschema = pytest.importorskip("jsonschema")
+    api = openai.OpenAI(base_url=f"{local}/v1", api_key="unused", timeout=120)
+    asked = [{"role": "user", "content": f"What is the weather in Paris? ({uuid.uuid4().hex[:6]})"}]
+    for choice, finish in (("required", "tool_calls"),
+                           ({"type": "function", "function": {"name": "get_weather"}}, "stop")):
+        body = dict(model="smollm2", messages=asked, tools=[WEATHER], tool_choice=choice, parallel_tool_calls=False,
+                    temperature=0, max_tokens=64)
+        answer = api.chat.completions.create(**body).choices[0]
+        assert answer.finish_reason == finish, answer
+        (call,) = answer.message.tool_calls
+        assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+        arguments, streamed_finish = {}, None
+        for chunk in api.chat.completions.create(**body, stream=True):
+            for delta_call in chunk.choices[0].delta.tool_calls or () if chunk.choices else ():
+                arguments[delta_call.index] = arguments.get(delta_call.index, "") + delta_call.function.arguments
+            streamed_finish = (chunk.choices[0].finish_reason if chunk.choices else None) or streamed_finish
+        assert arguments == {0: call.function.arguments} and streamed_finish == finish
+    # The tool's result goes back in the history, and the conversation completes.
+    follow = api.chat.completions.create(model="smollm2", temperature=0, max_tokens=16, messages=[
+        *asked, answer.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "18 degrees and sunny"}])
+    assert follow.choices[0].message.content and follow.choices[0].message.tool_calls is None
+
+
 def test_a_repeated_request_is_a_cache_hit(local):
     content = f"Tell me a fact about owls. ({uuid.uuid4().hex[:6]})"
     first = _chat(local, content, max_tokens=8)
@@ -186,8 +219,10 @@ def test_engine_figures_reach_prometheus(local, metrics_url):
 def test_bad_input_gets_openai_errors_naming_the_field(local):
     too_long = _chat(local, "word " * 9000, max_tokens=8)  # SmolLM2's context: 8192 tokens
     assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "max_tokens"
-    tools = _chat(local, "hi", tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
-    assert tools.status_code == 400 and tools.json()["error"]["param"] == "tools"
+    # SmolLM2 has no tool parser in local.yaml: auto cannot read its calls, and says what can.
+    auto = _chat(local, "hi", tools=[WEATHER])
+    assert auto.status_code == 400 and auto.json()["error"]["param"] == "tool_choice"
+    assert "tool_choice required or name a function" in auto.json()["error"]["message"]
     many = _chat(local, "hi", n=99)
     assert many.status_code == 400 and many.json()["error"]["param"] == "n"
 

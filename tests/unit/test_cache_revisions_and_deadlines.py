@@ -504,18 +504,19 @@ def test_the_value_schema_is_part_of_the_key(monkeypatch):
     assert cache_key(model="m", revision="r", task="embedding", payload=["a"], params={}) != before
 
 
-# What each result type stores, as of VALUE_SCHEMA 2. A change here without a bump of
+# What each result type stores, as of VALUE_SCHEMA 3. A change here without a bump of
 # VALUE_SCHEMA would let this code read another layout's entries: bump it, then this.
-_SCHEMA_2_FIELDS = {
+_SCHEMA_3_FIELDS = {
     "EmbedResult": ["embeddings", "prompt_tokens", "revision"],
     "ClassifyResult": ["rankings", "prompt_tokens", "revision"],
     "GenerateResult": ["completions", "revision"],
-    "Completion": ["text", "finish_reason", "prompt_tokens", "completion_tokens", "logprobs"],
+    "Completion": ["text", "finish_reason", "prompt_tokens", "completion_tokens", "logprobs", "tool_calls"],
     "TokenLogprob": ["token", "logprob", "top"],
+    "ToolCall": ["name", "arguments"],
 }
 
 
 def test_the_value_layout_matches_its_schema_version():
-    assert cache_keys.VALUE_SCHEMA == 2
-    for name, fields in _SCHEMA_2_FIELDS.items():
+    assert cache_keys.VALUE_SCHEMA == 3
+    for name, fields in _SCHEMA_3_FIELDS.items():
         assert [f.name for f in dataclasses.fields(getattr(calls, name))] == fields, name

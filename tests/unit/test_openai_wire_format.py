@@ -20,6 +20,7 @@ from serve_app.core.calls import (
     ResponseFormat,
     SamplingParams,
     TokenLogprob,
+    ToolsSpec,
 )
 from serve_app.core.errors import (
     InvalidRequestError,
@@ -74,7 +75,7 @@ def test_what_only_vllm_does_travels_in_the_call_and_changes_its_cache_key():
     assert asked.response_format == ResponseFormat(type="json_schema", schema='{"type":"object"}')
     # Each field changes the answer, so each must change the cache key.
     for field, value in (("n", 3), ("logprobs", 2), ("response_format", asked.response_format),
-                         ("tools", '[{"type":"function"}]')):
+                         ("tools", ToolsSpec('[{"type":"function"}]'))):
         varied = dataclasses.replace(plain, **{field: value})
         assert varied.cache_params() != plain.cache_params(), field
     completion = completions_api.completion_call(completions_api.CompletionBody.model_validate(

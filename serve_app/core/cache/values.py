@@ -12,7 +12,8 @@ import numpy as np
 # a field: entries of the old layout then are never read (they age out by TTL), instead
 # of failing to decode, or worse decoding into a wrong answer.
 # 2: results carry the revision of the replica that computed them.
-VALUE_SCHEMA = 2
+# 3: a completion carries the tool calls the model made.
+VALUE_SCHEMA = 3
 
 
 def _msgpack_default(obj: Any) -> Any:

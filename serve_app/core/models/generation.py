@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import secrets
 import time
@@ -193,15 +194,15 @@ def control_tokens(tokenizer: Any) -> tuple[frozenset[int], tuple[str, ...]]:
     return found
 
 
-def _render(tokenizer: Any, messages: list[dict]) -> str:
+def _render(tokenizer: Any, messages: list[dict], **template: Any) -> str:
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **template)
     except Exception as exc:  # templates raise on orders they do not support (jinja raise_exception)
         raise InvalidRequestError(f"the model's chat template rejected these messages: {exc}",
                                   param="messages") from exc
 
 
-def _content_spans(tokenizer: Any, messages: list[dict], text: str) -> list[tuple[int, int]] | None:
+def _content_spans(tokenizer: Any, messages: list[dict], text: str, **template: Any) -> list[tuple[int, int]] | None:
     """Where each message's content lies in ``text`` (the rendered chat), or None if
     that cannot be told for sure.
 
@@ -216,7 +217,7 @@ def _content_spans(tokenizer: Any, messages: list[dict], text: str) -> list[tupl
     try:
         marked = tokenizer.apply_chat_template(
             [{**m, "content": marks[i]} if i in marks else m for i, m in enumerate(messages)],
-            tokenize=False, add_generation_prompt=True)
+            tokenize=False, add_generation_prompt=True, **template)
     except Exception:
         return None
     pieces, rest = [], marked
@@ -258,7 +259,7 @@ def _plain_ids(tokenizer: Any, text: str) -> list[int]:
                       verbose=False)["input_ids"])
 
 
-def encode_chat_template(tokenizer: Any, messages: list[dict]) -> list[int]:
+def encode_chat_template(tokenizer: Any, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
     """Token ids of a chat through the tokenizer's chat template plus the assistant prompt,
     where the template's markup is control tokens and the messages' contents are text.
 
@@ -273,8 +274,13 @@ def encode_chat_template(tokenizer: Any, messages: list[dict]) -> list[int]:
 
     ``messages`` are ``{"role", "content"}`` dicts, content strings. Shared by every
     engine (the transformers runtime and vLLM's), so all treat such content alike.
+    ``tools`` (OpenAI's definitions) go to templates that render them; they are the
+    client's text too, so one that spells a control token is refused.
     """
     control_ids, control_strings = control_tokens(tokenizer)
+    template = {"tools": tools} if tools else {}
+    if tools and any(s in json.dumps(tools, ensure_ascii=False) for s in control_strings):
+        raise InvalidRequestError("tools spell a control token of this model's chat format; remove it", param="tools")
     contents = [m.get("content") if isinstance(m.get("content"), str) else "" for m in messages]
     if not any(s in content for content in contents for s in control_strings):
         # Nothing spelled a control token (the usual case): the template's text
@@ -282,12 +288,12 @@ def encode_chat_template(tokenizer: Any, messages: list[dict]) -> list[int]:
         # tokens it wants: bos, role markers).
         try:
             return list(tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
-                                                      return_dict=False))
+                                                      return_dict=False, **template))
         except Exception as exc:  # templates raise on orders they do not support (jinja raise_exception)
             raise InvalidRequestError(f"the model's chat template rejected these messages: {exc}",
                                       param="messages") from exc
-    text = _render(tokenizer, messages)
-    spans = _content_spans(tokenizer, messages, text)
+    text = _render(tokenizer, messages, **template)
+    spans = _content_spans(tokenizer, messages, text, **template)
     encoded = None
     if spans is not None:
         try:

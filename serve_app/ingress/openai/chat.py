@@ -13,12 +13,21 @@ from fastapi import Response
 from pydantic import ConfigDict, Field
 
 from serve_app.config import ModelConfig
-from serve_app.core.calls import ChatTurn, GenerateCall, GenerateResult, ResponseFormat, TokenLogprob
+from serve_app.core.calls import ChatTurn, GenerateCall, GenerateResult, ResponseFormat, TokenLogprob, ToolCall
 from serve_app.core.errors import InvalidRequestError
 from serve_app.ingress.openai.common import OpenAIObject, usage
 from serve_app.ingress.openai.completions import CompletionChunks
 from serve_app.ingress.openai.sampling import SamplingBody, generate_call, logprobs_count
 from serve_app.ingress.openai.streaming import event_stream
+from serve_app.ingress.openai.tools import (
+    ToolBody,
+    ToolCallBody,
+    ToolChoice,
+    delta_tool_calls,
+    history_tool_calls,
+    response_tool_calls,
+    tools_spec,
+)
 from serve_app.ingress.serving import Serving
 
 
@@ -30,11 +39,12 @@ class _TextPart(OpenAIObject):
 
 class ChatMessage(OpenAIObject):
     model_config = ConfigDict(extra="ignore")
-    # "tool" and "function" (tool results) parse so that chat_call can refuse them by name.
+    # "function" (the deprecated tool result) parses so that chat_call can refuse it by name.
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     # None: an assistant turn without text (OpenAI's tool-call turns send content: null).
     content: Optional[Union[str, list[_TextPart]]] = None
-    tool_calls: Optional[list[dict]] = None
+    tool_calls: Optional[list[ToolCallBody]] = None
+    tool_call_id: Optional[str] = None
     function_call: Optional[dict] = None
 
     def text(self) -> str:
@@ -65,9 +75,10 @@ class ChatCompletionBody(SamplingBody):
     logprobs: Optional[bool] = None
     top_logprobs: Optional[int] = Field(None, ge=0, le=20)
     response_format: Optional[ResponseFormatBody] = None
-    tools: Optional[list[dict]] = None
-    tool_choice: Optional[Union[str, dict]] = None
-    # OpenAI's deprecated form of tools; refused like them.
+    tools: Optional[list[ToolBody]] = None
+    tool_choice: Optional[ToolChoice] = None
+    parallel_tool_calls: Optional[bool] = None
+    # OpenAI's deprecated form of tools, refused by name.
     functions: Optional[list[dict]] = None
     function_call: Optional[Union[str, dict]] = None
 
@@ -75,34 +86,34 @@ class ChatCompletionBody(SamplingBody):
         return self.max_completion_tokens or self.max_tokens
 
 
-def _check_message(message: ChatMessage, index: int) -> None:
-    """Turns that only a tool-calling conversation has are refused by name (tools are),
-    rather than dropped from the prompt, which would change the answer."""
-    if message.role in ("tool", "function"):
-        raise InvalidRequestError(f"'{message.role}' messages (tool results) are not supported yet",
-                                  param=f"messages.{index}.role")
-    for field in ("tool_calls", "function_call"):
-        if getattr(message, field):
-            raise InvalidRequestError(f"assistant {field} in the conversation are not supported yet",
-                                      param=f"messages.{index}.{field}")
+def _turn(message: ChatMessage, index: int) -> ChatTurn:
+    """The message as the model sees it. What this API cannot carry is refused by name,
+    never dropped from the prompt, which would change the answer."""
+    field = f"messages.{index}"
+    if message.role == "function" or message.function_call:
+        raise InvalidRequestError("function_call and 'function' messages are OpenAI's deprecated form of tools; "
+                                  "send tool_calls and 'tool' messages", param=f"{field}.role")
     if message.content is None and message.role != "assistant":
-        raise InvalidRequestError(f"a {message.role} message needs content", param=f"messages.{index}.content")
+        raise InvalidRequestError(f"a {message.role} message needs content", param=f"{field}.content")
+    if message.tool_calls and message.role != "assistant":
+        raise InvalidRequestError("only assistant messages carry tool_calls", param=f"{field}.tool_calls")
+    if message.role == "tool" and not message.tool_call_id:
+        raise InvalidRequestError("a tool message needs the tool_call_id of the call it answers",
+                                  param=f"{field}.tool_call_id")
+    return ChatTurn(
+        "system" if message.role == "developer" else message.role, message.text(),
+        tool_calls=history_tool_calls(message.tool_calls, f"{field}.tool_calls") if message.tool_calls else None,
+        tool_call_id=message.tool_call_id if message.role == "tool" else None)
 
 
 def chat_call(body: ChatCompletionBody, model: ModelConfig) -> GenerateCall:
     if not body.messages:
         raise InvalidRequestError("'messages' must not be empty", param="messages")
-    for index, message in enumerate(body.messages):
-        _check_message(message, index)
-    if body.functions:
-        raise InvalidRequestError("function calls are not supported yet; send the request without 'functions'",
-                                  param="functions")
-    # Without tools "none" and "auto" ask nothing; anything else asks for a call we cannot make.
-    if not body.tools and body.tool_choice not in (None, "none", "auto"):
-        raise InvalidRequestError("tool_choice needs tools, which are not supported yet", param="tool_choice")
-    if body.function_call not in (None, "none", "auto"):
-        raise InvalidRequestError("function_call is not supported yet", param="function_call")
-    turns = tuple(ChatTurn("system" if m.role == "developer" else m.role, m.text()) for m in body.messages)
+    turns = tuple(_turn(message, index) for index, message in enumerate(body.messages))
+    for field in ("functions", "function_call"):
+        if getattr(body, field) not in (None, [], "none", "auto"):
+            raise InvalidRequestError(f"{field} is OpenAI's deprecated form of tools; send 'tools' and "
+                                      "'tool_choice'", param=field)
     if body.top_logprobs is not None and not body.logprobs:
         raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
     logprobs = logprobs_count(body.top_logprobs or 0, model, "top_logprobs") if body.logprobs else None
@@ -116,9 +127,10 @@ def chat_call(body: ChatCompletionBody, model: ModelConfig) -> GenerateCall:
             response_format = ResponseFormat(type="json_schema", schema=schema)
         else:
             response_format = ResponseFormat(type="json_object")
-    tools = None
-    if body.tools and body.tool_choice != "none":
-        tools = json.dumps(body.tools, sort_keys=True, separators=(",", ":"))
+    tools = tools_spec(body.tools, body.tool_choice, body.parallel_tool_calls)
+    if tools is not None and tools.choice != "auto" and response_format is not None:
+        raise InvalidRequestError(f"tool_choice {tools.choice} constrains the answer to a tool call, and "
+                                  "response_format to its own format; send one of them", param="response_format")
     call = generate_call(body, model, messages=turns)
     return dataclasses.replace(call, logprobs=logprobs, response_format=response_format, tools=tools)
 
@@ -135,6 +147,13 @@ def chat_logprobs(logprobs: Optional[tuple[TokenLogprob, ...]]) -> Optional[dict
                         for t in logprobs]}
 
 
+def _message(text: str, tool_calls: Optional[tuple[ToolCall, ...]]) -> dict:
+    if not tool_calls:
+        return {"role": "assistant", "content": text}
+    # OpenAI's tool-call message has content null unless the model also wrote text.
+    return {"role": "assistant", "content": text or None, "tool_calls": response_tool_calls(tool_calls)}
+
+
 def chat_response(result: GenerateResult, model: str) -> dict:
     return {
         "id": f"chatcmpl-{uuid.uuid4().hex}",
@@ -144,7 +163,7 @@ def chat_response(result: GenerateResult, model: str) -> dict:
         "choices": [
             {
                 "index": i,
-                "message": {"role": "assistant", "content": c.text},
+                "message": _message(c.text, c.tool_calls),
                 "logprobs": chat_logprobs(c.logprobs),
                 "finish_reason": c.finish_reason,
             }
@@ -164,8 +183,11 @@ class ChatChunks(CompletionChunks):
         return [{**self.head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                            "logprobs": None, "finish_reason": None}]} for i in range(choices)]
 
-    def _choice(self, index: int, text: Optional[str]) -> dict:
-        return {"index": index, "delta": {} if text is None else {"content": text}}
+    def _choice(self, index: int, text: Optional[str], tool_calls: Optional[tuple[ToolCall, ...]] = None) -> dict:
+        delta = {} if text is None or (tool_calls and not text) else {"content": text}
+        if tool_calls:
+            delta["tool_calls"] = delta_tool_calls(tool_calls)
+        return {"index": index, "delta": delta}
 
     def _logprobs(self, logprobs: Optional[tuple[TokenLogprob, ...]], text_offset: int) -> Optional[dict]:
         return chat_logprobs(logprobs)  # chat logprobs carry no offsets

@@ -11,7 +11,7 @@ from fastapi import Response
 from pydantic import Field
 
 from serve_app.config import ModelConfig
-from serve_app.core.calls import GenerateCall, GenerateResult, TokenLogprob
+from serve_app.core.calls import GenerateCall, GenerateResult, TokenLogprob, ToolCall
 from serve_app.core.errors import InvalidRequestError
 from serve_app.ingress.openai.common import TokenIds, inputs_list, usage
 from serve_app.ingress.openai.sampling import SamplingBody, generate_call, logprobs_count
@@ -90,17 +90,18 @@ class CompletionChunks:
     def opening(self, choices: int = 1) -> list[dict]:
         return []  # completions chunks carry no role announcement
 
-    def _choice(self, index: int, text: Optional[str]) -> dict:
-        return {"index": index, "text": text or ""}
+    def _choice(self, index: int, text: Optional[str], tool_calls: Optional[tuple[ToolCall, ...]] = None) -> dict:
+        return {"index": index, "text": text or ""}  # completions have no tools
 
     def _logprobs(self, logprobs: Optional[tuple[TokenLogprob, ...]], text_offset: int) -> Optional[dict]:
         return completion_logprobs(logprobs, text_offset)
 
-    def text(self, index: int, text: str, logprobs: Optional[tuple[TokenLogprob, ...]] = None) -> dict:
+    def text(self, index: int, text: str, logprobs: Optional[tuple[TokenLogprob, ...]] = None,
+             tool_calls: Optional[tuple[ToolCall, ...]] = None) -> dict:
         offset = self._sent_chars.get(index, 0)
         self._sent_chars[index] = offset + len(text)
-        return {**self.head, "choices": [{**self._choice(index, text), "logprobs": self._logprobs(logprobs, offset),
-                                          "finish_reason": None}]}
+        return {**self.head, "choices": [{**self._choice(index, text, tool_calls),
+                                          "logprobs": self._logprobs(logprobs, offset), "finish_reason": None}]}
 
     def finish(self, index: int, finish_reason: str) -> dict:
         return {**self.head, "choices": [{**self._choice(index, None), "logprobs": None,

@@ -40,7 +40,7 @@ _UNSUPPORTED_EXTENSIONS: dict[str, tuple] = {
     "audio": (), "modalities": (["text"],), "reasoning_effort": (), "verbosity": (), "web_search_options": (),
 }
 # Ignored because they cannot change the answer: user, metadata, store, service_tier,
-# prediction (a latency hint), parallel_tool_calls (tools are refused), safety_identifier,
+# prediction (a latency hint), safety_identifier,
 # prompt_cache_key, and any field not named anywhere here.
 
 

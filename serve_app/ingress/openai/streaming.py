@@ -44,7 +44,7 @@ async def event_stream(serving: Serving, model: ModelConfig, call: GenerateCall,
             while event is not None:
                 if isinstance(event, StreamDelta):
                     texts.setdefault(event.index, []).append(event.text)
-                    yield sse(chunks.text(event.index, event.text, event.logprobs))
+                    yield sse(chunks.text(event.index, event.text, event.logprobs, event.tool_calls))
                 else:  # a row finished
                     prompt_tokens += event.prompt_tokens
                     completion_tokens += event.completion_tokens

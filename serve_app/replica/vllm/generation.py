@@ -27,9 +27,10 @@ from serve_app.core.errors import (
     InvalidRequestError,
     ModelUnavailableError,
 )
-from serve_app.replica.engines import encode_rows, refuse_tool_calls
+from serve_app.replica.engines import encode_rows
 from serve_app.replica.stats import ReplicaObserver, RowTiming
 from serve_app.replica.vllm.runtime import VLLMRuntime
+from serve_app.replica.vllm.tools import ToolCalling
 
 logger = logging.getLogger("ray.serve")
 
@@ -40,6 +41,7 @@ class _CallState:
 
     prompt_tokens: list[int] = dataclasses.field(default_factory=list)
     choices: list[list["_Choice"]] = dataclasses.field(default_factory=list)
+    tools: Optional[ToolCalling] = None  # a chat with tools: its calls are read from each choice's text
 
 
 @dataclasses.dataclass
@@ -86,6 +88,9 @@ class VLLMEngine:
         # choice produces within stream_interval_s goes as one delta (the first at once,
         # for time to first token); a held delta waits at most one engine step.
         state = _CallState()
+        # With tools the text is held to the end: until then it cannot be told whether it
+        # is a call (auto) or whole enough to parse (required); each choice then comes as
+        # one delta with its calls, as OpenAI's clients accumulate them either way.
         interval = self.stream_interval_s
         held: dict[int, list[StreamDelta]] = {}
         last_sent = -float("inf")
@@ -93,14 +98,21 @@ class VLLMEngine:
             async for delta in events:
                 held.setdefault(delta.index, []).append(delta)
                 now = time.monotonic()
-                if now - last_sent >= interval:
+                if call.tools is None and now - last_sent >= interval:
                     for merged in _merge_deltas(held):
                         yield merged
                     held.clear()
                     last_sent = now
-        for merged in _merge_deltas(held):
-            yield merged
-        for index, completion in enumerate(_completions(call, state)):
+        completions = _completions(call, state)
+        if call.tools is None:
+            for merged in _merge_deltas(held):
+                yield merged
+        else:
+            for index, completion in enumerate(completions):
+                if completion.text or completion.tool_calls or completion.logprobs:
+                    yield StreamDelta(index=index, text=completion.text, logprobs=completion.logprobs,
+                                      tool_calls=completion.tool_calls)
+        for index, completion in enumerate(completions):
             yield StreamEnd(index=index, finish_reason=completion.finish_reason,
                             prompt_tokens=completion.prompt_tokens, completion_tokens=completion.completion_tokens)
 
@@ -121,11 +133,14 @@ class VLLMEngine:
 
     # ---- one call ---------------------------------------------------------------
 
-    def _sampling(self, call: GenerateCall) -> Any:
+    def _sampling(self, call: GenerateCall, tools: Optional[ToolCalling]) -> Any:
         from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
         structured = None
-        if call.response_format is not None:
+        constraint = tools.constraint() if tools is not None else None
+        if constraint is not None:  # required or a named function: the output is the call
+            structured = StructuredOutputsParams(json=constraint)
+        elif call.response_format is not None:
             if call.response_format.type == "json_schema":
                 structured = StructuredOutputsParams(json=json.loads(call.response_format.schema))
             else:
@@ -153,15 +168,18 @@ class VLLMEngine:
             stop=list(call.stop) or None,
             logprobs=call.logprobs,
             structured_outputs=structured,
+            skip_special_tokens=tools.skip_special_tokens if tools is not None else True,
             output_kind=RequestOutputKind.DELTA,  # each output holds only the new tokens
         )
 
     async def _events(self, call: GenerateCall, state: _CallState) -> AsyncIterator[StreamDelta]:
         """Run every prompt of the call, filling ``state`` and yielding each new piece of
         text. The choice index is OpenAI's: prompt-major, ``n`` per prompt."""
-        refuse_tool_calls(call)
+        if call.tools is not None:
+            state.tools = ToolCalling(call.tools, parser_class=self.runtime.tool_parser,
+                                      tokenizer=self.runtime.tokenizer, model_name=self.model_name)
         rows, call = await encode_rows(self.runtime, call)
-        sampling = self._sampling(call)
+        sampling = self._sampling(call, state.tools)
         enqueued = time.monotonic()
         self.observer.request(rows_outside_batches=len(rows) * call.n)
         engine = self.runtime.engine
@@ -254,11 +272,14 @@ def _completions(call: GenerateCall, state: _CallState) -> list[Completion]:
             if choice.finish_reason is None:  # vLLM's stream ended without saying why: not a whole answer
                 raise ModelUnavailableError("the model's engine ended the generation without a finish reason; retry",
                                             param=None, code="generation_unfinished")
+            text, tool_calls, finish_reason = "".join(choice.text), None, choice.finish_reason
+            if state.tools is not None:
+                text, tool_calls, finish_reason = state.tools.read(text, finish_reason)
             completions.append(Completion(
-                text="".join(choice.text), finish_reason=choice.finish_reason,
+                text=text, finish_reason=finish_reason,
                 # A prompt's tokens count once, on its first choice.
                 prompt_tokens=state.prompt_tokens[row] if j == 0 else 0, completion_tokens=choice.tokens,
-                logprobs=tuple(choice.logprobs) if call.logprobs is not None else None,
+                logprobs=tuple(choice.logprobs) if call.logprobs is not None else None, tool_calls=tool_calls,
             ))
     return completions
 

@@ -22,6 +22,7 @@ from serve_app.core.models.base import token_id_input, vocabulary_size
 from serve_app.core.models.checkpoint_formats import VLLM_FORMATS, check_checkpoint_matches, check_vllm_format
 from serve_app.core.models.generation import encode_chat_template
 from serve_app.replica.vllm.stats import EngineStatsLogger
+from serve_app.replica.vllm.tools import tool_parser_class
 
 logger = logging.getLogger("ray.serve")
 
@@ -72,6 +73,7 @@ class VLLMRuntime:
     dtype: str
     stats_logger: "EngineStatsLogger"
     labels: tuple = ()
+    tool_parser: Any = None  # vLLM's ToolParser class for tool_choice auto (vllm.tool_parser), or None
 
     def tokenize(self, text: str | tuple[int, ...]) -> list[int]:
         """An embedding input's token ids (a text's, or the ids given). An empty text is
@@ -97,10 +99,10 @@ class VLLMRuntime:
             raise InvalidRequestError(f"{field} encodes to no tokens; give some text", param=field)
         return ids
 
-    def encode_chat(self, chat: list[dict]) -> list[int]:
+    def encode_chat(self, chat: list[dict], tools: Optional[list[dict]] = None) -> list[int]:
         # Shared with the transformers engines: control tokens spelled in a message's
         # content are text, never the template's markup (no forged system turns).
-        return encode_chat_template(self.tokenizer, chat)
+        return encode_chat_template(self.tokenizer, chat, tools)
 
     async def check_health(self) -> None:
         """Raises once the engine core died (a kernel error, out of memory), so Serve
@@ -236,6 +238,7 @@ def start_vllm(config: ModelConfig, model_dir: Path, revision: str, model_metric
                 os.environ.setdefault(name, value)
             else:
                 os.environ[name] = value
+    tool_parser = tool_parser_class(config.vllm.tool_parser)  # a wrong name fails before minutes of start
     stats_logger = EngineStatsLogger(model_metrics)
     loggers: list[Any] = [lambda vllm_config, engine_index: stats_logger]
     with contextlib.suppress(ImportError):
@@ -248,7 +251,7 @@ def start_vllm(config: ModelConfig, model_dir: Path, revision: str, model_metric
     return VLLMRuntime(
         task=config.task, engine=engine, tokenizer=engine.get_tokenizer(), revision=revision,
         max_input_tokens=int(model_config.max_model_len), device="cuda" if on_gpu else "cpu",
-        dtype=str(model_config.dtype).replace("torch.", ""), stats_logger=stats_logger,
+        dtype=str(model_config.dtype).replace("torch.", ""), stats_logger=stats_logger, tool_parser=tool_parser,
     )
 
 
