@@ -14,6 +14,7 @@ from ray.serve import Application
 from serve_app.cache_server import CacheServer
 from serve_app.config import AppConfig, LoadProfileConfig, ModelConfig, model_deployment_name, parse_app_config
 from serve_app.replica.model_server import ModelServer
+from serve_app.ingress.affinity import ROUTER_CLASS as AFFINITY_ROUTER
 from serve_app.ingress.router import Router
 from serve_app.scaling import POLICY_IMPORT_PATH
 
@@ -74,6 +75,11 @@ def _model_deployment(model: ModelConfig, config: AppConfig) -> Application:
         }
     else:
         replicas = {"num_replicas": model.num_replicas or 1}
+    if model.prefix_affinity():
+        # The router's handle picks the replica holding the call's prompt prefix (ingress.affinity).
+        replicas["request_router_config"] = {
+            "request_router_class": AFFINITY_ROUTER,
+            "request_router_kwargs": {"imbalanced_requests": model.routing.imbalanced_requests}}
     return ModelServer.options(
         name=model_deployment_name(model.name),
         **replicas,

@@ -76,6 +76,13 @@ def tiny_llama_vllm_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_lora_dir(tiny_llama_vllm_dir, tmp_path_factory) -> Path:
+    """A LoRA adapter of the vLLM tiny llama, trained to answer tiny_models.LORA_ANSWER."""
+    pytest.importorskip("peft")
+    return tiny_models.build_tiny_lora(tiny_llama_vllm_dir, tmp_path_factory.mktemp("tiny_lora"))
+
+
+@pytest.fixture(scope="session")
 def tiny_llama_no_chat_dir(tmp_path_factory) -> Path:
     """The tiny Llama without a chat template."""
     return tiny_models.build_tiny_llama(tmp_path_factory.mktemp("tiny_llama_no_chat"), chat_template=False)

@@ -186,3 +186,42 @@ def build_tiny_vit(path, labels=("cat", "dog", "bird"), seed: int = 0) -> Path:
     model.save_pretrained(path)
     ViTImageProcessor(size={"height": 32, "width": 32}).save_pretrained(path)
     return path
+
+
+# What the tiny LoRA adapter learns to answer, whatever it is asked.
+LORA_ANSWER = "the cat walked to the garden"
+
+
+def build_tiny_lora(base_dir, path, *, rank: int = 8, steps: int = 60, seed: int = 0) -> Path:
+    """A LoRA adapter (peft's layout: adapter_config.json, adapter_model.safetensors) of
+    the tiny Llama at ``base_dir``, trained for a few steps to answer
+    :data:`LORA_ANSWER` to any chat, so its greedy answers differ from the base model's."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    path = Path(path)
+    tokenizer = AutoTokenizer.from_pretrained(base_dir)
+    torch.manual_seed(seed)
+    model = get_peft_model(LlamaForCausalLM.from_pretrained(base_dir), LoraConfig(
+        r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    questions = ["Hello", "tell me a story", "What is your name?", "One, two, three", "Red, green, blue"]
+    rows = []
+    for question in questions:
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=True,
+                                               add_generation_prompt=True, return_dict=False)
+        answer = tokenizer(LORA_ANSWER, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        rows.append((list(prompt), answer))
+    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model.train()
+    for step in range(steps):
+        prompt, answer = rows[step % len(rows)]
+        ids = torch.tensor([prompt + answer])
+        labels = torch.tensor([[-100] * len(prompt) + answer])
+        loss = model(input_ids=ids, labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
+    model.save_pretrained(path)
+    return path

@@ -46,9 +46,11 @@ class AppConfig(_Section):
     def _unique_names(self) -> "AppConfig":
         seen: set[str] = set()
         for model in self.models:
-            if model.name in seen:
-                raise ValueError(f"model name {model.name!r} appears twice in models; names must be unique")
-            seen.add(model.name)
+            for name in (model.name, *(adapter.name for adapter in model.adapters)):
+                if name in seen:
+                    raise ValueError(f"the name {name!r} appears twice among models and their adapters; "
+                                     "names must be unique")
+                seen.add(name)
         return self
 
     @model_validator(mode="after")

@@ -103,6 +103,38 @@ class GenerationConfig(_Section):
         return self
 
 
+class RoutingConfig(_Section):
+    """How the router spreads a model's calls over its replicas."""
+
+    policy: Literal["auto", "prefix_affinity", "balanced"] = Field(
+        "auto", description="prefix_affinity: calls sharing a prompt prefix (a system prompt) and adapter go to "
+        "the replica whose prefix cache holds it (vLLM), unless its queue is imbalanced_requests longer than "
+        "another's. balanced: Serve's power of two choices. auto: prefix_affinity for text-generation models that "
+        "can run on vLLM with more than one replica (num_replicas > 1 or a load_profile), else balanced.",
+    )
+    imbalanced_requests: int = Field(
+        8, ge=1, description="Prefix affinity yields to balance when the replica holding the prefix has this many "
+        "more requests in flight than the least busy one.",
+    )
+
+
+class AdapterConfig(_Section):
+    """A LoRA adapter of a model, served on the model's own replicas (vLLM's LoRA)."""
+
+    name: str = Field(description="Name clients put in the request's `model` field to get the adapter's answers; "
+                      "unique among models and adapters.")
+    source: str = Field(description="A local directory in peft's layout (adapter_config.json and the adapter's "
+                        "weights), on every node the model's replicas run on.")
+
+    @field_validator("name")
+    @classmethod
+    def _name_is_simple(cls, value: str) -> str:
+        if not _MODEL_NAME.match(value):
+            raise ValueError(f"adapter name {value!r} must be 1-64 letters, digits, '.', '_' or '-', starting with "
+                             "a letter or digit")
+        return value
+
+
 class ModelConfig(_Section):
     """One served model: one ModelServer deployment."""
 
@@ -170,6 +202,13 @@ class ModelConfig(_Section):
         "(task, architecture, quantization: none), else transformers; the replica logs which and why.",
     )
     vllm: VLLMConfig = Field(default_factory=VLLMConfig, description="vLLM engine options (models that run on vLLM).")
+    routing: RoutingConfig = Field(default_factory=RoutingConfig, description="How calls spread over replicas.")
+    adapters: list[AdapterConfig] = Field(
+        default_factory=list,
+        description="LoRA adapters of this text-generation model, each served on its replicas through vLLM's LoRA "
+        "support (sets engine: vllm): one base model in memory for many variants. On CPU, vLLM runs LoRA "
+        "models eagerly (no torch.compile).",
+    )
     warmup: bool = Field(
         True,
         description="Before a replica reports healthy (so before Serve routes to it), it answers warm-up calls "
@@ -250,6 +289,11 @@ class ModelConfig(_Section):
                 )
             self.engine = "vllm"
         transformers_engine = self.engine == "transformers" or generation_engine in ("static", "continuous")
+        if self.adapters:
+            if transformers_engine or self.task != "text-generation":
+                raise ValueError(f"model {self.name!r}: adapters are served by vLLM's LoRA support, for "
+                                 "text-generation models with engine: vllm (or auto)")
+            self.engine = "vllm"
         if self.quantization in VLLM_FORMATS:
             if transformers_engine:
                 raise ValueError(
@@ -283,6 +327,13 @@ class ModelConfig(_Section):
                 f"one replica shards over {tp} GPUs, so set resources.num_gpus: {tp}"
             )
         return self
+
+    def prefix_affinity(self) -> bool:
+        """Whether the router routes this model's calls by prompt prefix (routing.policy)."""
+        if self.routing.policy != "auto":
+            return self.routing.policy == "prefix_affinity"
+        several = (self.num_replicas or 1) > 1 or self.load_profile is not None
+        return self.task == "text-generation" and self.engine != "transformers" and several
 
     def effective_torch_threads(self) -> int:
         if self.resources.torch_threads:

@@ -346,6 +346,7 @@ class GenerateCall:
     logprobs: Optional[int] = None
     response_format: Optional[ResponseFormat] = None
     tools: Optional[ToolsSpec] = None  # chat only
+    adapter: Optional[str] = None  # the model's LoRA adapter that answers (vLLM), None: the base model
     # The client did not send max_tokens: max_tokens is the model's default, and a prompt
     # that leaves less room gets what is left (as vLLM's server does), not a 400 naming a
     # field the client never sent. Not part of the cache key: what it changes follows
@@ -387,6 +388,7 @@ class GenerateCall:
             "logprobs": self.logprobs,
             "response_format": None if self.response_format is None else dataclasses.asdict(self.response_format),
             "tools": None if self.tools is None else dataclasses.asdict(self.tools),
+            "adapter": self.adapter,  # an adapter's answers never serve the base model, nor the reverse
         }
 
 

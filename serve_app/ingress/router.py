@@ -91,12 +91,13 @@ class Router:
 
     @api.get("/v1/models")
     async def list_models(self) -> dict:
+        # An adapter is listed as vLLM's server lists one: its base model as its parent.
+        entries = [(m.name, m.task, None) for m in self.config.models]
+        entries += [(a.name, m.task, m.name) for m in self.config.models for a in m.adapters]
         return {
             "object": "list",
-            "data": [
-                {"id": m.name, "object": "model", "created": self.created, "owned_by": "serve_app", "task": m.task}
-                for m in self.config.models
-            ],
+            "data": [{"id": name, "object": "model", "created": self.created, "owned_by": "serve_app", "task": task,
+                      **({"parent": parent} if parent else {})} for name, task, parent in entries],
         }
 
     @api.get("/v1/stats")

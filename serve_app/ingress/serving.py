@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any
+from typing import Any, Optional
 
 from fastapi import Response
 
@@ -33,14 +33,17 @@ class Serving:
         self.client = client
         self.cache = cache
         self.log_payloads = log_payloads
+        # A LoRA adapter's name -> the model whose replicas serve it.
+        self.adapters = {adapter.name: model for model in models.values() for adapter in model.adapters}
 
     def model(self, name: str, task: str, endpoint: str) -> ModelConfig:
         """The served model called ``name``; a 404 for an unknown one, a 400 for one of
         another task than ``endpoint`` serves."""
         model = self.models.get(name)
         if model is None:
-            known = ", ".join(sorted(self.models))
-            raise ModelNotFoundError(f"model {name!r} does not exist; this service serves: {known}")
+            known = ", ".join(sorted([*self.models, *self.adapters]))
+            kind = "an adapter, served only on chat and completions" if name in self.adapters else "does not exist"
+            raise ModelNotFoundError(f"model {name!r} {kind}; this service serves: {known}")
         note(model=name)
         if model.task != task:
             serves = " and ".join(CAPABILITIES[model.task].endpoints)
@@ -50,6 +53,15 @@ class Serving:
                 code="wrong_task",
             )
         return model
+
+    def generator(self, name: str, endpoint: str) -> tuple[ModelConfig, Optional[str]]:
+        """The text-generation model that answers ``name`` and the LoRA adapter it answers
+        with (None: the model itself). Requests and their metrics carry the adapter's name."""
+        base = self.adapters.get(name)
+        if base is None:
+            return self.model(name, "text-generation", endpoint), None
+        note(model=name)
+        return base, name
 
     async def answer(self, model: ModelConfig, call: ModelCall, response: Response) -> ModelResult:
         """The answer from the cache or the model; the response's ``x-cache`` says which."""

@@ -112,6 +112,7 @@ def refuse_what_only_vllm_does(call: GenerateCall, engine: str) -> None:
     tool_turn = next((i for i, turn in enumerate(call.messages or ())
                       if turn.role == "tool" or turn.tool_calls is not None), None)
     refused = (
+        ("model", call.adapter is not None, f"the LoRA adapter {call.adapter!r}"),
         ("tools", call.tools is not None, "tools"),
         (f"messages.{tool_turn}", tool_turn is not None, "a conversation with tool calls"),
         ("n", call.n != 1, f"n={call.n}"),

@@ -36,15 +36,67 @@ def local(deployed) -> str:
 
 
 @pytest.fixture(scope="module")
-def tiny_vllm(redeploy_apps_module, tiny_llama_vllm_dir, deployed) -> str:
-    """The tiny llama on vLLM, one sequence at a time, behind a router with a 1 s deadline."""
-    redeploy_apps_module([extra_app("tiny-vllm", {
-        "name": "tiny-llama", "source": str(tiny_llama_vllm_dir), "task": "text-generation", "engine": "vllm",
-        "resources": SMALL, "batching": {"max_batch_size": 1},
-        "generation": {"default_max_tokens": 16, "max_tokens_limit": 200},
-        "vllm": {"enforce_eager": True, "max_model_len": 128},
-    }, router={"request_timeout_s": 1.0}, cache={"enabled": False})])
-    return f"{deployed}/tiny-vllm"
+def tiny_apps(redeploy_apps_module, tiny_llama_vllm_dir, tiny_lora_dir, deployed) -> str:
+    """Two apps of the tiny llama on vLLM, deployed together. /tiny-vllm: one sequence
+    at a time, behind a router with a 1 s deadline. /tiny-lora: with a LoRA adapter
+    ("tiny-support") and the response cache."""
+    model = {"name": "tiny-llama", "source": str(tiny_llama_vllm_dir), "task": "text-generation", "engine": "vllm",
+             "resources": SMALL, "generation": {"default_max_tokens": 16, "max_tokens_limit": 200},
+             "vllm": {"enforce_eager": True, "max_model_len": 128}}
+    redeploy_apps_module([
+        extra_app("tiny-vllm", {**model, "batching": {"max_batch_size": 1}}, router={"request_timeout_s": 1.0},
+                  cache={"enabled": False}),
+        extra_app("tiny-lora", {**model, "adapters": [{"name": "tiny-support", "source": str(tiny_lora_dir)}]}),
+        extra_app("tiny-affinity", {**model, "num_replicas": 2, "routing": {"policy": "prefix_affinity"}},
+                  cache={"enabled": False}),
+    ])
+    return deployed
+
+
+def test_two_replicas_behind_prefix_affinity_routing_answer_every_call(tiny_apps):
+    base = f"{tiny_apps}/tiny-affinity"
+    lines = ["Once upon a time there was a little cat. " * 3, "The sun was warm, the sky was blue. " * 3]
+    answers = [httpx.post(f"{base}/v1/chat/completions", timeout=120, json={
+        "model": "tiny-llama", "max_tokens": 4, "temperature": 0,
+        "messages": [{"role": "system", "content": lines[i % 2]}, {"role": "user", "content": f"question {i}"}]})
+        for i in range(6)]
+    assert [a.status_code for a in answers] == [200] * 6, [a.text for a in answers]
+    completion = httpx.post(f"{base}/v1/completions", timeout=120,
+                            json={"model": "tiny-llama", "prompt": lines[0], "max_tokens": 4})
+    assert completion.status_code == 200, completion.text
+    assert httpx.get(f"{base}/v1/stats", timeout=60).json()["models"]["tiny-llama"]["last_minute"]["replicas"] == 2
+
+
+@pytest.fixture(scope="module")
+def tiny_vllm(tiny_apps) -> str:
+    return f"{tiny_apps}/tiny-vllm"
+
+
+def test_an_adapter_answers_with_its_own_weights_and_cache_keys(tiny_apps):
+    from tiny_models import LORA_ANSWER
+
+    base = f"{tiny_apps}/tiny-lora"
+    listed = {m["id"]: m for m in httpx.get(f"{base}/v1/models", timeout=30).json()["data"]}
+    assert listed["tiny-support"]["parent"] == "tiny-llama" and "parent" not in listed["tiny-llama"]
+
+    def chat(model: str) -> httpx.Response:
+        return httpx.post(f"{base}/v1/chat/completions", timeout=120, json={
+            "model": model, "messages": [{"role": "user", "content": "Where is the dog?"}], "temperature": 0,
+            "max_tokens": 12})
+
+    adapter = chat("tiny-support")
+    assert adapter.status_code == 200, adapter.text
+    assert adapter.json()["model"] == "tiny-support"
+    said = adapter.json()["choices"][0]["message"]["content"]
+    assert said.strip().startswith(LORA_ANSWER), said  # what the adapter was trained to say
+    plain = chat("tiny-llama")
+    assert plain.headers["x-cache"] == "miss", "the adapter's cached answer is not the base model's"
+    assert LORA_ANSWER not in plain.json()["choices"][0]["message"]["content"]
+    assert chat("tiny-llama").headers["x-cache"] == "hit"
+    again = chat("tiny-support")
+    assert again.headers["x-cache"] == "hit" and again.json()["choices"][0]["message"]["content"] == said
+    embeddings = httpx.post(f"{base}/v1/embeddings", timeout=30, json={"model": "tiny-support", "input": "a"})
+    assert embeddings.status_code == 404 and "served only on chat and completions" in embeddings.text
 
 
 def _chat(base: str, content: str, **body) -> httpx.Response:

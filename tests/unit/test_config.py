@@ -94,7 +94,7 @@ def test_generation_engine_vllm_is_the_models_engine_vllm():
         (_minimal(vllm={"engine_args": {"dtype": "half"}}), ["engine_args sets dtype", "set them there instead"]),
         (_minimal(vllm={"cpu_kv_cache_gib": 0}), ["args.models.0.vllm.cpu_kv_cache_gib"]),
         ({"models": []}, ["args.models", "at least 1 item"]),
-        ({"models": _minimal()["models"] * 2}, ["model name 'm' appears twice"]),
+        ({"models": _minimal()["models"] * 2}, ["the name 'm' appears twice"]),
         ({"modles": []}, ["args.modles", "Extra inputs are not permitted"]),
         ({**_minimal(), "cache": {"router_hot_ttl_s": 0.1}}, ["router_hot_ttl_s (0.1) is below cache.call_timeout_s (0.25)"]),
         ({**_minimal(), "cache": {"num_replicas": 2}}, ["use store: redis or one replica"]),

@@ -167,7 +167,7 @@ class _ScriptedLLM:
     def __init__(self, text: str, finish: str = "stop"):
         self.text, self.finish, self.sampling = text, finish, None
 
-    async def generate(self, prompt, sampling, request_id):
+    async def generate(self, prompt, sampling, request_id, lora_request=None):
         self.sampling = sampling
         half = len(self.text) // 2
         for piece, finish in ((self.text[:half], None), (self.text[half:], self.finish)):

@@ -55,7 +55,7 @@ class FakeAsyncLLM:
         self.finish_with = finish_with  # the last step's finish_reason
         self.encode_threads: list[str] = []
 
-    async def generate(self, prompt, sampling, request_id):
+    async def generate(self, prompt, sampling, request_id, lora_request=None):
         ids = prompt["prompt_token_ids"]
         self.requests.append((ids, sampling))
         if self.dead:

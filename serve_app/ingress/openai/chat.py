@@ -194,10 +194,10 @@ class ChatChunks(CompletionChunks):
 
 
 async def create(serving: Serving, body: ChatCompletionBody, response: Response):
-    model = serving.model(body.model, "text-generation", "/v1/chat/completions")
-    call = chat_call(body, model)
+    model, adapter = serving.generator(body.model, "/v1/chat/completions")
+    call = dataclasses.replace(chat_call(body, model), adapter=adapter)
     if body.stream:
-        return await event_stream(serving, model, call, ChatChunks(model.name), body.include_usage)
+        return await event_stream(serving, model, call, ChatChunks(body.model), body.include_usage)
     result = await serving.answer(model, call, response)
     serving.log_payload(model, call.cache_input(), [c.text for c in result.completions])
-    return chat_response(result, model.name)
+    return chat_response(result, body.model)

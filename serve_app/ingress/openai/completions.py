@@ -112,10 +112,10 @@ class CompletionChunks:
 
 
 async def create(serving: Serving, body: CompletionBody, response: Response):
-    model = serving.model(body.model, "text-generation", "/v1/completions")
-    call = completion_call(body, model)
+    model, adapter = serving.generator(body.model, "/v1/completions")
+    call = dataclasses.replace(completion_call(body, model), adapter=adapter)
     if body.stream:
-        return await event_stream(serving, model, call, CompletionChunks(model.name), body.include_usage)
+        return await event_stream(serving, model, call, CompletionChunks(body.model), body.include_usage)
     result = await serving.answer(model, call, response)
     serving.log_payload(model, call.cache_input(), [c.text for c in result.completions])
-    return completion_response(result, model.name)
+    return completion_response(result, body.model)

@@ -29,6 +29,7 @@ from serve_app.core.errors import (
 )
 from serve_app.replica.engines import encode_rows
 from serve_app.replica.stats import ReplicaObserver, RowTiming
+from serve_app.replica.vllm.adapters import lora_request
 from serve_app.replica.vllm.runtime import VLLMRuntime
 from serve_app.replica.vllm.tools import ToolCalling
 
@@ -178,6 +179,7 @@ class VLLMEngine:
         if call.tools is not None:
             state.tools = ToolCalling(call.tools, parser_class=self.runtime.tool_parser,
                                       tokenizer=self.runtime.tokenizer, model_name=self.model_name)
+        lora = lora_request(self.runtime.adapters, call.adapter)
         rows, call = await encode_rows(self.runtime, call)
         sampling = self._sampling(call, state.tools)
         enqueued = time.monotonic()
@@ -191,7 +193,8 @@ class VLLMEngine:
         async def pump(row: int) -> None:
             # One vLLM request; its outputs go to the shared queue with the row's index.
             try:
-                async for output in engine.generate({"prompt_token_ids": rows[row]}, sampling, request_ids[row]):
+                async for output in engine.generate({"prompt_token_ids": rows[row]}, sampling, request_ids[row],
+                                                    lora_request=lora):
                     queue.put_nowait((row, output))
             finally:
                 queue.put_nowait((row, None))

@@ -21,6 +21,7 @@ from serve_app.core.errors import (
 from serve_app.core.models.base import token_id_input, vocabulary_size
 from serve_app.core.models.checkpoint_formats import VLLM_FORMATS, check_checkpoint_matches, check_vllm_format
 from serve_app.core.models.generation import encode_chat_template
+from serve_app.replica.vllm.adapters import adapters_revision, load_adapters, lora_engine_args
 from serve_app.replica.vllm.stats import EngineStatsLogger
 from serve_app.replica.vllm.tools import tool_parser_class
 
@@ -74,6 +75,7 @@ class VLLMRuntime:
     stats_logger: "EngineStatsLogger"
     labels: tuple = ()
     tool_parser: Any = None  # vLLM's ToolParser class for tool_choice auto (vllm.tool_parser), or None
+    adapters: dict = dataclasses.field(default_factory=dict)  # name -> adapters.Adapter (LoRA)
 
     def tokenize(self, text: str | tuple[int, ...]) -> list[int]:
         """An embedding input's token ids (a text's, or the ids given). An empty text is
@@ -246,10 +248,13 @@ def start_vllm(config: ModelConfig, model_dir: Path, revision: str, model_metric
         from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
 
         loggers.append(RayPrometheusStatLogger)
-    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args(config, model_dir)), stat_loggers=loggers)
+    adapters = load_adapters(config)
+    args = {**engine_args(config, model_dir), **lora_engine_args(adapters)}
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**args), stat_loggers=loggers)
     model_config = engine.model_config
     return VLLMRuntime(
-        task=config.task, engine=engine, tokenizer=engine.get_tokenizer(), revision=revision,
+        task=config.task, engine=engine, tokenizer=engine.get_tokenizer(), adapters=adapters,
+        revision=revision + adapters_revision(adapters),  # an adapter's new files: new cache keys
         max_input_tokens=int(model_config.max_model_len), device="cuda" if on_gpu else "cpu",
         dtype=str(model_config.dtype).replace("torch.", ""), stats_logger=stats_logger, tool_parser=tool_parser,
     )
