@@ -93,3 +93,18 @@ def customer_questions(count: int) -> list[str]:
     """Short customer questions, each with its own order number (no two alike)."""
     return [f"{_QUESTIONS[i % len(_QUESTIONS)]} My order number is {100_000 + 7919 * i % 900_000}."
             for i in range(count)]
+
+
+# The affinity scenario's product lines: each has a system prompt of its own from its
+# first words on (about 900 SmolLM2 tokens: 11 of the policy's sections, rotated).
+PRODUCT_LINES = ("furniture", "kitchen appliances", "garden tools", "home electronics")
+
+
+def product_line_prompt(line: int) -> str:
+    """Line ``line``'s system prompt: its own opening, then 11 policy sections starting
+    at a different one for each line."""
+    picked = [_POLICY_SECTIONS[(3 * line + k) % len(_POLICY_SECTIONS)] for k in range(11)]
+    sections = "\n\n".join(f"{n}. {title}. {text}" for n, (title, text) in enumerate(picked, 1))
+    return (f"You are the {PRODUCT_LINES[line]} support agent of Northwind Home. Answer the customer's question "
+            "about our " + PRODUCT_LINES[line] + " in two or three sentences, following this policy exactly.\n\n"
+            + sections)

@@ -42,7 +42,7 @@ SCENARIO_MODULES = (
     "benchmarks.scenarios.recipe", "benchmarks.scenarios.generation", "benchmarks.scenarios.cache",
     "benchmarks.scenarios.trace", "benchmarks.scenarios.day", "benchmarks.scenarios.generation_mixed",
     "benchmarks.scenarios.precision", "benchmarks.scenarios.engines", "benchmarks.scenarios.startup",
-    "benchmarks.scenarios.hangups", "benchmarks.scenarios.cheaper_vllm",
+    "benchmarks.scenarios.hangups", "benchmarks.scenarios.cheaper_vllm", "benchmarks.scenarios.affinity",
 )
 
 
@@ -178,9 +178,14 @@ def scenario(fn: Optional[Callable[[Context], ScenarioResult]] = None, *, name: 
 
 
 def load_all() -> dict[str, Callable[[Context], ScenarioResult]]:
-    """Import every scenario module (each registers on import); returns SCENARIOS."""
+    """Import every scenario module (each registers on import); returns SCENARIOS in
+    SCENARIO_MODULES' order, whichever module something imported first."""
     for module in SCENARIO_MODULES:
         importlib.import_module(module)
+    order = {module: i for i, module in enumerate(SCENARIO_MODULES)}
+    ranked = sorted(SCENARIOS.items(), key=lambda item: order.get(item[1].__module__, len(order)))
+    SCENARIOS.clear()
+    SCENARIOS.update(ranked)
     return SCENARIOS
 
 

@@ -34,6 +34,8 @@ NOT_IN_SMOKE = {
     "startup": "eight vLLM starts in turn, four of them cold: ~10 min even in tiny mode",
     # Builds quantized and pruned checkpoints (minutes each, cached) before its vLLM starts.
     "cheaper-vllm": "builds four checkpoints per model, then ten vLLM starts in turn",
+    # Four deployments of two SmolLM2 vLLM replicas each, one after another.
+    "affinity": "eight SmolLM2 vLLM starts, two at a time",
 }
 SCENARIO_NAMES = [name for name in load_all() if name not in NOT_IN_SMOKE]
 DURATIONS: dict[str, float] = {}
