@@ -70,7 +70,9 @@ def prefix_counters(metrics_text: str, model: str = "chat") -> tuple[float, floa
     of Ray's metrics export (cumulative counters; one app of the scenario runs at a time)."""
     totals = {"hits": 0.0, "queries": 0.0}
     for kind in totals:
-        pattern = re.compile(rf"^serve_app_prefix_cache_{kind}_tokens(?:_total)?\{{([^}}]*)\}} (\S+)$", re.M)
+        # Ray's export prefixes application metrics with "ray_".
+        pattern = re.compile(rf"^(?:ray_)?serve_app_prefix_cache_{kind}_tokens(?:_total)?\{{([^}}]*)\}} (\S+)$",
+                             re.M)
         for labels, value in pattern.findall(metrics_text):
             if f'model="{model}"' in labels:
                 totals[kind] += float(value)

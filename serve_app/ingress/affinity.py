@@ -70,11 +70,16 @@ class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             chosen = self._index.least_loaded(by_id)
         queue_lens = await self._queue_lens(candidate_replicas)
         if queue_lens and queue_lens.get(chosen, 0) - min(queue_lens.values()) > self._imbalanced_requests:
-            return fallback  # balance wins over the cached prefix
+            return fallback  # balance wins over the cached prefix, which stays where it is
+        # Recorded here, at the choice: Serve tells a router where a request went
+        # (on_request_routed) only when strict max_ongoing_requests is on, which it is not
+        # by default. A chosen replica that turns the call away (full) still gets the
+        # prefix's next calls.
+        self._index.record(chosen, hashes)
         return [[by_id[chosen]], *fallback]
 
     def on_request_routed(self, pending_request: Any, replica_id: Any, result: Any) -> None:
-        hashes = self._hashes(pending_request)
+        hashes = self._hashes(pending_request)  # where the call really went, when Serve says
         if hashes:
             self._index.record(replica_id, hashes)
 

@@ -9,10 +9,10 @@ from benchmarks.scenarios.affinity import _line_request, prefix_counters
 SCRAPE = """\
 # HELP serve_app_prefix_cache_hits_tokens_total Prompt tokens found in the prefix cache.
 serve_app_prefix_cache_hits_tokens_total{Component="core_worker",WorkerId="a",model="chat"} 900.0
-serve_app_prefix_cache_hits_tokens_total{Component="core_worker",WorkerId="b",model="chat"} 1800.0
+ray_serve_app_prefix_cache_hits_tokens_total{Component="core_worker",WorkerId="b",model="chat"} 1800.0
 serve_app_prefix_cache_hits_tokens_total{Component="core_worker",WorkerId="c",model="other"} 5.0
 serve_app_prefix_cache_queries_tokens_total{Component="core_worker",WorkerId="a",model="chat"} 1000.0
-serve_app_prefix_cache_queries_tokens_total{Component="core_worker",WorkerId="b",model="chat"} 2000.0
+ray_serve_app_prefix_cache_queries_tokens_total{Component="core_worker",WorkerId="b",model="chat"} 2000.0
 """
 
 
