@@ -15,7 +15,9 @@ _EXTRA = ["padding_efficiency", "model_calls_per_batch", "tokens_per_s", "mean_b
           # cheaper-vllm: one row per variant, measured inside its own engine process
           "engine_start_s", "resident_mb", "decode_tokens_per_s_1_stream", "decode_tokens_per_s_16_streams",
           "ttft_ms_median", "perplexity_vs_fp32", "greedy_agreement", "answers_identical", "embeddings_per_s",
-          "cosine_to_fp32_mean", "cosine_to_fp32_min", "retrieval_accuracy"]
+          "cosine_to_fp32_mean", "cosine_to_fp32_min", "retrieval_accuracy",
+          # affinity: vLLM's prefix-cache hits over lookups, both replicas together
+          "prefix_cache_hit_rate"]
 
 
 def _cell(value) -> str:

@@ -64,14 +64,17 @@ class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         hashes = self._hashes(pending_request)
         if not hashes or not fallback or len(candidate_replicas) < 2:
             return fallback
+        queue_lens = await self._queue_lens(candidate_replicas)
+        # From here to the record, no await: calls routed at the same moment see each
+        # other's choices, so a burst of new prefixes spreads instead of all picking the
+        # replica that was emptiest before any of them.
         by_id = {r.replica_id: r for r in candidate_replicas}
         chosen, _ = self._index.best(by_id, hashes)
         if chosen is None:  # a prefix no replica holds: where the fewest prefixes are
             chosen = self._index.least_loaded(by_id)
-        queue_lens = await self._queue_lens(candidate_replicas)
         if queue_lens and queue_lens.get(chosen, 0) - min(queue_lens.values()) > self._imbalanced_requests:
             return fallback  # balance wins over the cached prefix, which stays where it is
-        # Recorded here, at the choice: Serve tells a router where a request went
+        # Recorded at the choice: Serve tells a router where a request went
         # (on_request_routed) only when strict max_ongoing_requests is on, which it is not
         # by default. A chosen replica that turns the call away (full) still gets the
         # prefix's next calls.

@@ -157,3 +157,18 @@ def test_calls_without_a_prefix_and_single_replicas_get_serves_choice(monkeypatc
     _, route = _router(monkeypatch, {})
     assert route([r1, r2], EmbedCall(texts=("a",))) == [[r1, r2]]
     assert route([r1], _line("A", "q")) == [[r1]]
+
+
+def test_new_prefixes_routed_at_the_same_moment_spread_over_the_replicas(monkeypatch):
+    import asyncio
+    from types import SimpleNamespace
+
+    r1, r2 = _Replica("r1"), _Replica("r2")
+    router, _ = _router(monkeypatch, {"r1": 0, "r2": 0})
+
+    async def burst():  # four lines at once: each routing task waits on its queue probe
+        return await asyncio.gather(*(router.choose_replicas([r1, r2], SimpleNamespace(args=(_line(line, "q"),)))
+                                      for line in "ABCD"))
+
+    chosen = [groups[0][0] for groups in asyncio.run(burst())]
+    assert sorted(chosen, key=repr) == [r1, r1, r2, r2], chosen
