@@ -41,6 +41,15 @@ def _adapter(base_dir: Path, path: Path) -> Path:
 
 
 async def _measure(model_dir: str, adapter_dir: str, lora: bool, eager: bool, tokens: int, runs: int) -> dict:
+    import os
+
+    from serve_app.config import ModelConfig
+    from serve_app.replica.vllm.runtime import cpu_engine_env
+
+    # The environment our replica starts vLLM's CPU build with (1 GiB of KV cache, the
+    # compile cache, two threads), so the figures are the served engine's.
+    os.environ.update(cpu_engine_env(ModelConfig.model_validate({
+        "name": "smollm2", "source": model_dir, "task": "text-generation", "resources": {"num_cpus": 2}})))
     from vllm import AsyncEngineArgs, SamplingParams
     from vllm.lora.request import LoRARequest
     from vllm.v1.engine.async_llm import AsyncLLM
