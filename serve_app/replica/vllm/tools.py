@@ -87,11 +87,12 @@ class ToolCalling:
         if self.spec.choice == "required":
             try:
                 calls = json.loads(text)
-            except ValueError:
+                found = tuple(ToolCall(name=str(c["name"]), arguments=json.dumps(c.get("parameters", {}),
+                                                                                 ensure_ascii=False))
+                              for c in calls)
+            except (ValueError, TypeError, KeyError, AttributeError):  # not the constrained shape: cut short
                 return text, None, finish_reason
-            return "", tuple(ToolCall(name=c["name"], arguments=json.dumps(c.get("parameters", {}),
-                                                                           ensure_ascii=False))
-                             for c in calls), "tool_calls"
+            return "", found, "tool_calls"
         found = self._parser().extract_tool_calls(text, self.request)
         if not found.tools_called or not found.tool_calls:
             return text, None, finish_reason
