@@ -121,9 +121,10 @@ vllm-tcmalloc:
 serve: install
 	SERVE_APP_HIGH_THROUGHPUT=$(HIGH_THROUGHPUT) $(BIN)/python -m serve_app.launch $(CONFIG) --metrics-export-port $(METRICS_PORT)
 
-# -rs: every skipped test and why (a missing binary, say) in the summary.
+# -rs: every skipped test and why (a missing binary, say) in the summary; --durations: the
+# slowest tests, where the suite's time goes.
 test: install prometheus-server
-	$(BIN)/python -m pytest -q -rs -p no:cacheprovider tests
+	$(BIN)/python -m pytest -q -rs --durations=15 -p no:cacheprovider tests
 
 unit: install
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests/unit

@@ -73,8 +73,8 @@ def stop_stale_haproxies() -> list[int]:
 
     stale = stale_haproxies(_processes(), haproxy_config_dir())
     for pid in stale:
-        print(f"stopping a stale Ray Serve HAProxy (pid {pid}, config under {haproxy_config_dir()}) left by an earlier "
-              "run that was killed; it still held the ports this run needs", flush=True)
+        print(f"stopping a Ray Serve HAProxy that outlived its Ray (pid {pid}, config under {haproxy_config_dir()}); "
+              "it would hold the HTTP and stats ports", flush=True)
         for sig in (signal.SIGTERM, signal.SIGKILL):
             try:
                 os.kill(pid, sig)
@@ -105,8 +105,14 @@ def main(argv: list[str] | None = None) -> int:
     from ray.serve._private.constants import SERVE_NAMESPACE
     from ray.serve.scripts import cli
 
-    if high_throughput_active():
-        stop_stale_haproxies()
+    def clear_haproxies() -> None:
+        # A signal sent to the whole process group (Ctrl-C in a terminal, `kill -- -<pgid>`)
+        # reaches Ray's processes too, and HAProxy's manager actor can die before Serve's
+        # shutdown stops HAProxy; what it left would hold the ports until the next start.
+        if high_throughput_active():
+            stop_stale_haproxies()
+
+    clear_haproxies()
     ray.init(namespace=SERVE_NAMESPACE, _metrics_export_port=args.metrics_export_port)
 
     def stop(signum, frame) -> None:
@@ -117,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
             serve.shutdown()
         finally:
             ray.shutdown()
+            clear_haproxies()
             os._exit(0)
 
     # SIGTERM (`kill <pid>`) and SIGHUP (its terminal closed) stop everything it started,
@@ -132,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         pass
     finally:
         ray.shutdown()
+        clear_haproxies()
     return 0
 
 
