@@ -192,10 +192,13 @@ def build_tiny_vit(path, labels=("cat", "dog", "bird"), seed: int = 0) -> Path:
 LORA_ANSWER = "the cat walked to the garden"
 
 
-def build_tiny_lora(base_dir, path, *, rank: int = 8, steps: int = 60, seed: int = 0) -> Path:
+def build_tiny_lora(base_dir, path, *, rank: int = 8, max_steps: int = 600, converged_loss: float = 0.01,
+                    seed: int = 0) -> Path:
     """A LoRA adapter (peft's layout: adapter_config.json, adapter_model.safetensors) of
-    the tiny Llama at ``base_dir``, trained for a few steps to answer
-    :data:`LORA_ANSWER` to any chat, so its greedy answers differ from the base model's."""
+    the tiny Llama at ``base_dir``, trained to answer :data:`LORA_ANSWER` to any chat, so
+    its greedy answers begin with it, unlike the base model's. It trains until every
+    question's loss is below ``converged_loss`` (a fixed number of steps once left a
+    greedy answer on vLLM at "the cat walked to the gard to the g")."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoTokenizer, LlamaForCausalLM
 
@@ -210,11 +213,14 @@ def build_tiny_lora(base_dir, path, *, rank: int = 8, steps: int = 60, seed: int
     for question in questions:
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=True,
                                                add_generation_prompt=True, return_dict=False)
-        answer = tokenizer(LORA_ANSWER, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        # No EOS: the base model's EOS row of the output layer is zero (build_tiny_llama), which
+        # no adapter of the attention and MLP layers can outbid, so it would never converge.
+        answer = tokenizer(LORA_ANSWER, add_special_tokens=False)["input_ids"]
         rows.append((list(prompt), answer))
     optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     model.train()
-    for step in range(steps):
+    losses = [float("inf")] * len(rows)
+    for step in range(max_steps):
         prompt, answer = rows[step % len(rows)]
         ids = torch.tensor([prompt + answer])
         labels = torch.tensor([[-100] * len(prompt) + answer])
@@ -222,6 +228,11 @@ def build_tiny_lora(base_dir, path, *, rank: int = 8, steps: int = 60, seed: int
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+        losses[step % len(rows)] = loss.item()
+        if max(losses) < converged_loss:
+            break
+    else:
+        raise RuntimeError(f"the tiny LoRA adapter did not learn its answer in {max_steps} steps: losses {losses}")
     model.eval()
     model.save_pretrained(path)
     return path
