@@ -45,7 +45,10 @@ def autoscaling_config(model_name: str, profile_name: str, profile: LoadProfileC
     }
 
 
-def _model_deployment(model: ModelConfig, config: AppConfig) -> Application:
+def model_deployment(model: ModelConfig, config: AppConfig, *, replicas: dict[str, Any] | None = None) -> Application:
+    """The model's ModelServer deployment, bound. ``replicas`` (``num_replicas`` or an
+    ``autoscaling_config``) replaces what the config asks for: a benchmark compares
+    Ray's own policies on the same deployment this way."""
     resources = model.resources
     # Ray sets CUDA_VISIBLE_DEVICES to the GPU(s) it assigns, so the replica's "cuda" is
     # its own share; accelerator_type makes Ray place it only on nodes with that GPU.
@@ -67,8 +70,10 @@ def _model_deployment(model: ModelConfig, config: AppConfig) -> Application:
             "placement_group_strategy": "STRICT_PACK",
         }
         actor_options["num_gpus"] = 0
-    if model.load_profile:
-        replicas: dict[str, Any] = {
+    if replicas is not None:
+        replicas = dict(replicas)
+    elif model.load_profile:
+        replicas = {
             "autoscaling_config": autoscaling_config(
                 model.name, model.load_profile, config.load_profiles[model.load_profile]
             )
@@ -122,7 +127,7 @@ def router_app(config: AppConfig, model_apps: dict[str, Application], cache_app:
 
 
 def build_app_from_config(config: AppConfig) -> Application:
-    models = {model.name: _model_deployment(model, config) for model in config.models}
+    models = {model.name: model_deployment(model, config) for model in config.models}
     return router_app(config, models, _cache_deployment(config))
 
 

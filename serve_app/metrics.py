@@ -157,6 +157,10 @@ class BatchMetrics:
             tag_keys=("model", "phase"),
         )
         self.startup.set_default_tags({"model": model})
+        self.calls_before_ready = counter(
+            "serve_app_calls_before_ready",
+            "Calls this replica was sent before its warm-up ended (Serve should send none: it routes to a "
+            "replica once its first health check, which runs the warm-up, has passed).")
         self.rows = counter("serve_app_rows", "Inputs run by the model.")
         self.batches = counter("serve_app_batches", "Model batches run.")
         self.model_calls = counter("serve_app_model_calls", "Model calls (sub-batches) run.")

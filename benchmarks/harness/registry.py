@@ -43,6 +43,7 @@ SCENARIO_MODULES = (
     "benchmarks.scenarios.trace", "benchmarks.scenarios.day", "benchmarks.scenarios.generation_mixed",
     "benchmarks.scenarios.precision", "benchmarks.scenarios.engines", "benchmarks.scenarios.startup",
     "benchmarks.scenarios.hangups", "benchmarks.scenarios.cheaper_vllm", "benchmarks.scenarios.affinity",
+    "benchmarks.scenarios.day_real",
 )
 
 

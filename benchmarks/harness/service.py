@@ -87,16 +87,26 @@ class BenchCluster:
 
         if address:
             ray.init(address=address, log_to_driver=False)
+            self.metrics_port = None
         else:
             # Logical CPUs only place replicas; torch threads decide real core use.
-            ray.init(num_cpus=max(8, (os.cpu_count() or 2) * 4), include_dashboard=False, log_to_driver=False)
+            # Ray's Prometheus endpoint on a port of our choice, reported every 2 s, for
+            # scenarios that read replicas' counters while they run (day-real).
+            self.metrics_port: Optional[int] = free_port()
+            ray.init(num_cpus=max(8, (os.cpu_count() or 2) * 4), include_dashboard=False, log_to_driver=False,
+                     _metrics_export_port=self.metrics_port, _system_config={"metrics_report_interval_ms": 2000})
         self.port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": self.port})
         self.deployed: list[str] = []
         self.owns_ray = True
 
+    @property
+    def metrics_url(self) -> Optional[str]:
+        """This node's Prometheus endpoint, where known."""
+        return f"http://127.0.0.1:{self.metrics_port}/metrics" if self.metrics_port else None
+
     @classmethod
-    def attach(cls, base_url: str) -> "BenchCluster":
+    def attach(cls, base_url: str, metrics_port: Optional[int] = None) -> "BenchCluster":
         """Use the Ray instance this process already joined and its running Serve proxy
         at ``base_url`` (e.g. ``http://127.0.0.1:PORT``). close() then deletes only the
         applications deployed through this object and leaves Ray and Serve running."""
@@ -106,6 +116,7 @@ class BenchCluster:
             raise RuntimeError("BenchCluster.attach needs ray.init() and serve.start() done first")
         self = cls.__new__(cls)
         self.port = urlsplit(base_url).port
+        self.metrics_port = metrics_port
         self.deployed = []
         self.owns_ray = False
         return self

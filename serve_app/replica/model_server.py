@@ -145,6 +145,10 @@ class ModelServer:
         # so Serve's own count of ongoing requests undercounts the load the autoscaler
         # needs (see record_autoscaling_stats).
         self.ongoing_calls = 0
+        # Calls from the router answered before the warm-up ended (see _count_if_unready):
+        # Serve should route none here before the first health check passes, and this
+        # checks it, per replica, in /v1/stats and Prometheus.
+        self.calls_before_ready = 0
         self.engine: Any = _NoEngine()
         # Chosen once for the model's task: the model call of one sub-batch, and the
         # handler of each call type it serves (any other type is a wrong_task error).
@@ -336,6 +340,11 @@ class ModelServer:
         seconds): past it, a row still waiting for the model is dropped with a 504
         instead of being computed for nobody. The result carries this replica's revision:
         the router writes it to the cache under that revision, whatever it read under."""
+        self._count_if_unready()
+        return await self._answer(call)
+
+    async def _answer(self, call: ModelCall) -> ModelResult:
+        """:meth:`infer` without the readiness count: the warm-up's calls come here."""
         self.ongoing_calls += 1
         try:
             result = await self._handler(call)(call)
@@ -366,6 +375,7 @@ class ModelServer:
         """A generation, streamed: :class:`StreamDelta` events as rows produce text,
         then one :class:`StreamEnd` per row in index order. A caller that goes away
         (Serve cancels this generator) ends its rows at the next step."""
+        self._count_if_unready()
         self.ongoing_calls += 1
         try:
             async with contextlib.aclosing(self._handler(call, stream=True)(call)) as events:
@@ -373,6 +383,11 @@ class ModelServer:
                     yield event
         finally:
             self.ongoing_calls -= 1
+
+    def _count_if_unready(self) -> None:
+        if self.startup.ready_at is None:
+            self.calls_before_ready += 1
+            self._metrics.calls_before_ready.inc()
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's custom autoscaling metrics (pushed with its own, only for a deployment
@@ -405,7 +420,7 @@ class ModelServer:
         with self.startup.phase("warmup"):
             for call in calls if config.warmup else ():
                 try:
-                    await self.infer(call)
+                    await self._answer(call)
                 except ServeAppError as exc:
                     logger.warning("model %s: a warm-up call was refused: %s", config.name, exc.message)
         self.observer.forget_counters()  # /v1/stats counts traffic, not the warm-up
@@ -432,7 +447,8 @@ class ModelServer:
         stats = {"replica": _replica_id(), "batching": self.batching.model_dump(), **self.observer.snapshot(),
                  # Calls in progress here now (an infer_many counts each of its calls): 0 once
                  # the load is over, whatever its clients did (hung up, timed out).
-                 "ongoing_calls": self.ongoing_calls, "startup": self.startup.snapshot()}
+                 "ongoing_calls": self.ongoing_calls,
+                 "startup": {**self.startup.snapshot(), "calls_before_ready": self.calls_before_ready}}
         engine = self.engine.stats()
         if engine is not None:
             stats["engine"] = engine

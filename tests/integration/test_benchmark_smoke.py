@@ -36,6 +36,8 @@ NOT_IN_SMOKE = {
     "cheaper-vllm": "builds four checkpoints per model, then ten vLLM starts in turn",
     # Four deployments of two SmolLM2 vLLM replicas each, one after another.
     "affinity": "eight SmolLM2 vLLM starts, two at a time",
+    # Three policies' days in turn on real MiniLM vLLM replicas, each deployed with a lead.
+    "day-real": "three days in turn on vLLM replicas, about 2 min each even in tiny mode",
 }
 SCENARIO_NAMES = [name for name in load_all() if name not in NOT_IN_SMOKE]
 DURATIONS: dict[str, float] = {}

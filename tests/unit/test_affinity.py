@@ -72,12 +72,12 @@ def test_affinity_is_on_by_default_for_generation_models_with_several_replicas(m
 
 
 def test_the_model_deployment_routes_by_prefix_when_affinity_is_on():
-    from serve_app.app import _model_deployment
+    from serve_app.app import model_deployment
     from serve_app.config import parse_app_config
 
     def router_config(**model):
         config = parse_app_config({"models": [{"name": "m", "source": "/x", "task": "text-generation", **model}]})
-        return _model_deployment(config.models[0], config)._bound_deployment._deployment_config.request_router_config
+        return model_deployment(config.models[0], config)._bound_deployment._deployment_config.request_router_config
 
     routed = router_config(num_replicas=2, routing={"imbalanced_requests": 3})
     assert routed.request_router_class == "serve_app.ingress.affinity.PrefixAffinityRouter"

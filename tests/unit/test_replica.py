@@ -254,11 +254,26 @@ def test_the_first_health_check_warms_up_over_the_shapes_then_marks_the_replica_
     startup = stats["startup"]
     assert startup["ready"] and startup["total_s"] >= startup["warmup_s"] >= 0 and "process_s" in startup
     assert stats["requests"] == 0 and stats["rows"] == 0, "the warm-up is not traffic"
+    assert startup["calls_before_ready"] == 0, "the warm-up's own calls are not calls before ready"
     assert ms._metrics.startup.values, "exported: one observation per phase and the total"
     assert run(ms.record_autoscaling_stats())["startup_s"] == pytest.approx(startup["total_s"], abs=0.05)
     calls = len(runtime.calls)
     run(ms.check_health())
     assert len(runtime.calls) == calls, "only the first health check warms up"
+
+
+def test_calls_sent_before_the_warm_up_ended_are_counted():
+    from serve_app.core.calls import EmbedCall
+
+    ms = server(FakeEncoder("embedding"))
+    call = EmbedCall(texts=("a b",))
+    run(ms.infer(call))
+    run(ms.infer_many([call, call]))
+    assert run(ms.get_stats())["startup"]["calls_before_ready"] == 3
+    assert ms._metrics.calls_before_ready.values == [1, 1, 1]
+    run(ms.check_health())
+    run(ms.infer(call))
+    assert run(ms.get_stats())["startup"]["calls_before_ready"] == 3, "a ready replica's calls are not counted"
 
 
 def test_a_replica_with_warmup_off_is_ready_without_calls():
