@@ -56,10 +56,10 @@ class VLLMConfig(_Section):
         None,
         description="CPU only: keep vLLM's AOT compile artifact and load it on later starts (serve_app's vLLM plugin "
         "makes it load), which skips dynamo's tracing too; false: inductor's own caches, dynamo traces again. Default "
-        "(null): on for embedding and classification models, off for text generation. Measured on 2 Intel Xeon cores "
-        "with AMX (python -m benchmarks.tools.compile_modes): warm engine start 13 s instead of 21 s for SmolLM2, "
-        "but decode about 25% slower (batch of 16: 510 instead of 690 tokens/s); MiniLM 11 s instead of 13 s at the "
-        "same embeddings/s.",
+        "(null): on, except for text generation on a CPU with AMX tiles, where the AOT graph decodes about 25% "
+        "slower (python -m benchmarks.tools.compile_modes: a batch of 16 at 510 instead of 690 tokens/s on 2 Xeon "
+        "cores). Without AMX it decodes as fast within noise and SmolLM2's engine starts warm in 14 s instead of 23 s "
+        "(2 AMD EPYC cores).",
     )
     compile_cache_dir: Optional[str] = Field(
         None,

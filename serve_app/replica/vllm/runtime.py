@@ -21,6 +21,7 @@ from serve_app.core.errors import (
 from serve_app.core.models.base import token_id_input, vocabulary_size
 from serve_app.core.models.checkpoint_formats import VLLM_FORMATS, check_checkpoint_matches, check_vllm_format
 from serve_app.core.models.generation import encode_chat_template
+from serve_app.core.models.hardware import cpu_flags
 from serve_app.replica.vllm.adapters import adapters_revision, load_adapters, lora_engine_args
 from serve_app.replica.vllm.stats import EngineStatsLogger
 from serve_app.replica.vllm.tools import tool_parser_class
@@ -234,14 +235,17 @@ def uses_aot_compile(config: ModelConfig) -> bool:
     CPU as shipped (see replica/vllm/plugin.py); with serve_app's plugin it does, and a warm
     start then skips dynamo's tracing too. Without AOT, dynamo traces the model again and
     inductor's own caches (TORCHINDUCTOR_CACHE_DIR) skip the compiling. Measured side by side
-    (python -m benchmarks.tools.compile_modes, docs/engines.md), the AOT graph decodes about
-    25% slower on a CPU with AMX, and embeds as fast: so by default, AOT for encoders, whose
-    start is most of their cost, and inductor's caches for generation, whose tokens/s is."""
+    (python -m benchmarks.tools.compile_modes, docs/engines.md), the AOT graph embeds as
+    fast everywhere, and decodes about 25% slower on a CPU with AMX tiles, but within
+    run-to-run noise on one without (AMD EPYC with AVX-512 BF16: 0.91x and 1.04x batched in
+    two runs, the same single stream), where it starts SmolLM2's engine in 14 s instead of
+    23 s. So by default AOT, except for generation on a CPU with AMX, whose tokens/s the
+    AOT graph would cost more than its start saves."""
     if not aot_artifacts_load():
         return False
     if config.vllm.aot_compile is not None:
         return config.vllm.aot_compile
-    return config.task != "text-generation"
+    return config.task != "text-generation" or "amx_bf16" not in cpu_flags()
 
 
 def aot_artifacts_load() -> bool:
