@@ -237,7 +237,7 @@ def uses_aot_compile(config: ModelConfig) -> bool:
     inductor's own caches (TORCHINDUCTOR_CACHE_DIR) skip the compiling. Measured side by side
     (python -m benchmarks.tools.compile_modes, docs/engines.md), the AOT graph embeds as
     fast everywhere, and decodes about 25% slower on a CPU with AMX tiles, but within
-    run-to-run noise on one without (AMD EPYC with AVX-512 BF16: 0.91x and 1.04x batched in
+    run-to-run noise on one without (AMD EPYC with AVX-512 BF16: 0.92x and 1.04x batched in
     two runs, the same single stream), where it starts SmolLM2's engine in 14 s instead of
     23 s. So by default AOT, except for generation on a CPU with AMX, whose tokens/s the
     AOT graph would cost more than its start saves."""
