@@ -16,6 +16,7 @@ import argparse
 import os
 import signal
 import sys
+import time
 
 from serve_app.ray_env import apply_ray_env, high_throughput_active
 
@@ -66,26 +67,55 @@ def _processes() -> list[tuple[int, int, list[str]]]:
     return found
 
 
+def node_haproxies(processes: list[tuple[int, int, list[str]]], config_dir: str, node_id: str) -> list[int]:
+    """Pids of the HAProxies Ray Serve runs for the Ray node ``node_id``: their config is
+    ``<config_dir>/<node_id>/haproxy.cfg`` whoever their parent is now."""
+    prefix = os.path.join(config_dir, node_id, "")
+    return [pid for pid, _, cmdline in processes
+            if cmdline and os.path.basename(cmdline[0]).startswith("haproxy")
+            and any(flag == "-f" and path.startswith(prefix) for flag, path in zip(cmdline, cmdline[1:]))]
+
+
 def stop_stale_haproxies() -> list[int]:
     """Stop (SIGTERM, then SIGKILL) the HAProxies an earlier, killed run left behind,
     saying which, instead of failing later on "cannot bind socket (Address in use)"."""
-    import time
-
     stale = stale_haproxies(_processes(), haproxy_config_dir())
     for pid in stale:
         print(f"stopping a Ray Serve HAProxy that outlived its Ray (pid {pid}, config under {haproxy_config_dir()}); "
               "it would hold the HTTP and stats ports", flush=True)
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                break
-            deadline = time.monotonic() + 5
-            while time.monotonic() < deadline and os.path.exists(f"/proc/{pid}"):
-                time.sleep(0.1)
-            if not os.path.exists(f"/proc/{pid}"):
-                break
+        _terminate(pid)
     return stale
+
+
+def stop_node_haproxies(node_id: str, *, wait_s: float = 5.0) -> list[int]:
+    """After Serve's shutdown: stop this run's node's HAProxy if Serve did not. A signal to
+    the whole process group (Ctrl-C, `kill -- -<pgid>`) kills the raylet at once, Serve's
+    shutdown then times out, and HAProxy's manager actor lives on for tens of seconds,
+    past this process, before it dies and orphans a HAProxy that holds the ports (seen here)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        left = node_haproxies(_processes(), haproxy_config_dir(), node_id)
+        if not left or time.monotonic() >= deadline:
+            break
+        time.sleep(0.2)  # Serve's own shutdown may still be stopping it
+    for pid in left:
+        print(f"stopping this run's HAProxy (pid {pid}), which outlived its Ray", flush=True)
+        _terminate(pid)
+    return left
+
+
+def _terminate(pid: int) -> None:
+    """SIGTERM, then SIGKILL if the process is still there after 5 s."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and os.path.exists(f"/proc/{pid}"):
+            time.sleep(0.1)
+        if not os.path.exists(f"/proc/{pid}"):
+            return
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,6 +144,15 @@ def main(argv: list[str] | None = None) -> int:
 
     clear_haproxies()
     ray.init(namespace=SERVE_NAMESPACE, _metrics_export_port=args.metrics_export_port)
+    node_id = ray.get_runtime_context().get_node_id()
+
+    def shut_down_ray() -> None:
+        # Serve is shut down (or its controller is gone) by now: its HAProxy has no more
+        # use, so stop it before Ray, whose shutdown may not return if its raylet was killed.
+        if high_throughput_active():
+            stop_node_haproxies(node_id)
+        ray.shutdown()
+        clear_haproxies()
 
     def stop(signum, frame) -> None:
         # `kill <pid>`: shut Serve and the local Ray down here, as Ctrl-C does through
@@ -122,8 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             serve.shutdown()
         finally:
-            ray.shutdown()
-            clear_haproxies()
+            shut_down_ray()
             os._exit(0)
 
     # SIGTERM (`kill <pid>`) and SIGHUP (its terminal closed) stop everything it started,
@@ -138,8 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         pass
     finally:
-        ray.shutdown()
-        clear_haproxies()
+        shut_down_ray()
     return 0
 
 

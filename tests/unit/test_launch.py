@@ -25,6 +25,9 @@ def test_an_orphaned_ray_serve_haproxy_is_stale_and_a_managed_one_is_not():
         (77, 1, ["/sbin/tini", "--"]),
     ]
     assert launch.stale_haproxies(processes, CONFIG_DIR) == [12, 13]
+    # A run's own HAProxy, by its node's config directory, whatever its parent is now.
+    assert launch.node_haproxies(processes, CONFIG_DIR, "def") == [12]
+    assert launch.node_haproxies(processes, CONFIG_DIR, "abc") == [11]
 
 
 def test_the_process_table_is_read_with_parents():
