@@ -10,9 +10,11 @@ ports of Redis, Ray and Serve. Between the two nothing picks ports at random.
 
 from __future__ import annotations
 
+import os
 import random
 import socket
 import subprocess
+import time
 
 PORT_RANGE = (20000, 32767)
 
@@ -57,3 +59,18 @@ def stop_process(proc: subprocess.Popen, timeout_s: float) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(timeout=timeout_s)
+
+
+def process_group_gone(pgid: int, timeout_s: float) -> bool:
+    """Whether every process of the group has exited within ``timeout_s`` (False also
+    where the group is not ours to signal)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        time.sleep(0.2)
+    return False

@@ -20,7 +20,7 @@ from typing import Optional
 
 import httpx
 
-from benchmarks.harness.processes import free_port
+from benchmarks.harness.processes import free_port, process_group_gone
 from serve_app.replica.vllm.plugin import ENV_SWITCH as PLUGIN_SWITCH
 
 # serve_app's vLLM plugin (serve_app/replica/vllm/plugin.py) is installed in the benchmark's
@@ -193,7 +193,7 @@ class VLLMServer:
             except subprocess.TimeoutExpired:
                 continue
             # The leader is gone; wait briefly for the rest of its group (the engine core).
-            if _group_gone(process.pid, 15.0):
+            if process_group_gone(process.pid, 15.0):
                 break
         process.poll()
 
@@ -202,19 +202,6 @@ class VLLMServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-
-def _group_gone(pgid: int, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:
-            return False
-        time.sleep(0.2)
-    return False
 
 
 def ray_serve_llm_app(model_dir: str, model_id: str, settings: EngineSettings, *, num_cpus: float = 0.5,

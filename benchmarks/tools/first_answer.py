@@ -23,6 +23,8 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks.harness.processes import process_group_gone
+
 ROOT = Path(__file__).resolve().parents[2]
 CHAT = {"model": "smollm2", "messages": [{"role": "user", "content": "What is the capital of France?"}],
         "max_tokens": 16, "temperature": 0}
@@ -41,18 +43,6 @@ def _answers(url: str) -> bool:
 
 def _running(server: subprocess.Popen, began: float, timeout_s: float) -> bool:
     return time.perf_counter() - began < timeout_s and server.poll() is None
-
-
-def _group_gone(pgid: int, timeout_s: float) -> bool:
-    """Whether every process of the group has exited within ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return True
-        time.sleep(0.5)
-    return False
 
 
 def main(argv: list[str]) -> None:
@@ -95,9 +85,9 @@ def main(argv: list[str]) -> None:
             server.wait()
             # make exits at once; serve_app.launch, in the same group, takes seconds to shut
             # Serve and Ray down. A next start that finds it still there measures nothing.
-            if not _group_gone(server.pid, timeout_s=120):
+            if not process_group_gone(server.pid, timeout_s=120):
                 os.killpg(server.pid, signal.SIGKILL)
-                _group_gone(server.pid, timeout_s=30)
+                process_group_gone(server.pid, timeout_s=30)
             log.close()
         # Serve and Ray shut down after the launcher exits; the next start must not find them.
         deadline = time.perf_counter() + 120
