@@ -99,7 +99,7 @@ def stop_node_haproxies(node_id: str, *, wait_s: float = 5.0) -> list[int]:
             break
         time.sleep(0.2)  # Serve's own shutdown may still be stopping it
     for pid in left:
-        print(f"stopping this run's HAProxy (pid {pid}), which outlived its Ray", flush=True)
+        print(f"stopping this run's HAProxy (pid {pid}), which Serve's shutdown left running", flush=True)
         _terminate(pid)
     return left
 
