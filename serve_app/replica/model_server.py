@@ -26,8 +26,6 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
-import hashlib
-import json
 import logging
 import time
 from typing import Any, AsyncIterator, Callable, Optional, Sequence
@@ -62,6 +60,7 @@ from serve_app.optimize.precision_gate import replica_precision
 from serve_app.replica.engines import make_engine, static_generate
 from serve_app.replica.inputs import encode_each, in_image_thread, in_tokenizer_thread
 from serve_app.replica.startup import StartupTimes, directory_bytes, process_started_at, warmup_calls
+from serve_app.replica.revision import answer_revision
 from serve_app.replica.stats import ReplicaObserver
 # serve_app.replica.vllm imports vLLM itself only when a model starts on it.
 from serve_app.replica.vllm.embeddings import VLLMEmbedder
@@ -71,12 +70,6 @@ from serve_app.scaling import ONGOING_CALLS_METRIC, STARTUP_METRIC
 from serve_app.serve_logs import start_log_flusher
 
 logger = logging.getLogger("ray.serve")
-
-# Part of every revision this replica reports. Bump it when a code change alters what an
-# engine answers for the same weights, config and input (2: the continuous engine applies
-# the model's generation_config), so cached answers of the old code are never
-# served as the new code's.
-ANSWERS_VERSION = 2
 
 # What each call type asks of the model, as a wrong_task error names it.
 _OPERATIONS = {
@@ -145,10 +138,6 @@ class ModelServer:
         # so Serve's own count of ongoing requests undercounts the load the autoscaler
         # needs (see record_autoscaling_stats).
         self.ongoing_calls = 0
-        # Calls from the router answered before the warm-up ended (see _count_if_unready):
-        # Serve should route none here before the first health check passes, and this
-        # checks it, per replica, in /v1/stats and Prometheus.
-        self.calls_before_ready = 0
         self.engine: Any = _NoEngine()
         # Chosen once for the model's task: the model call of one sub-batch, and the
         # handler of each call type it serves (any other type is a wrong_task error).
@@ -340,7 +329,8 @@ class ModelServer:
         seconds): past it, a row still waiting for the model is dropped with a 504
         instead of being computed for nobody. The result carries this replica's revision:
         the router writes it to the cache under that revision, whatever it read under."""
-        self._count_if_unready()
+        if self.startup.count_call_before_ready():  # Serve should send none (see StartupTimes)
+            self._metrics.calls_before_ready.inc()
         return await self._answer(call)
 
     async def _answer(self, call: ModelCall) -> ModelResult:
@@ -375,7 +365,8 @@ class ModelServer:
         """A generation, streamed: :class:`StreamDelta` events as rows produce text,
         then one :class:`StreamEnd` per row in index order. A caller that goes away
         (Serve cancels this generator) ends its rows at the next step."""
-        self._count_if_unready()
+        if self.startup.count_call_before_ready():  # Serve should send none (see StartupTimes)
+            self._metrics.calls_before_ready.inc()
         self.ongoing_calls += 1
         try:
             async with contextlib.aclosing(self._handler(call, stream=True)(call)) as events:
@@ -383,11 +374,6 @@ class ModelServer:
                     yield event
         finally:
             self.ongoing_calls -= 1
-
-    def _count_if_unready(self) -> None:
-        if self.startup.ready_at is None:
-            self.calls_before_ready += 1
-            self._metrics.calls_before_ready.inc()
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's custom autoscaling metrics (pushed with its own, only for a deployment
@@ -447,8 +433,7 @@ class ModelServer:
         stats = {"replica": _replica_id(), "batching": self.batching.model_dump(), **self.observer.snapshot(),
                  # Calls in progress here now (an infer_many counts each of its calls): 0 once
                  # the load is over, whatever its clients did (hung up, timed out).
-                 "ongoing_calls": self.ongoing_calls,
-                 "startup": {**self.startup.snapshot(), "calls_before_ready": self.calls_before_ready}}
+                 "ongoing_calls": self.ongoing_calls, "startup": self.startup.snapshot()}
         engine = self.engine.stats()
         if engine is not None:
             stats["engine"] = engine
@@ -479,30 +464,6 @@ class ModelServer:
         token_rows = await in_tokenizer_thread(encode_each, self.runtime.tokenize, texts, "input")
         outputs = await self._submit([new_row(ids, len(ids), self.batching, deadline=deadline) for ids in token_rows])
         return outputs, sum(len(ids) for ids in token_rows)
-
-
-def answer_revision(config: ModelConfig, runtime: Any, engine_kind: Optional[str]) -> str:
-    """The revision this replica's answers are cached under: ``models[].cache.revision``
-    when the config pins one, else the weights' revision (``runtime.revision``: files,
-    precision, quantization) extended with everything else that changes an answer: the
-    engine (static, continuous and vLLM answer differently for the same weights), the
-    device type (CPU and GPU kernels round differently), vLLM's own options that change
-    numerics (its quantization, engine_args such as kv_cache_dtype, tensor parallelism,
-    CUDA graphs), and :data:`ANSWERS_VERSION`. Two replicas that could answer one request
-    differently never report the same revision, so they never share cache keys."""
-    if config.cache.revision:
-        return config.cache.revision
-    answers: dict[str, Any] = {
-        "answers": ANSWERS_VERSION,
-        "engine": engine_kind,
-        "device": str(runtime.device).split(":")[0],  # the type: cuda:0 and cuda:1 answer alike
-    }
-    if isinstance(runtime, VLLMRuntime):
-        vllm = config.vllm
-        answers["vllm"] = {"engine_args": vllm.engine_args, "tensor_parallel_size": vllm.tensor_parallel_size,
-                           "enforce_eager": vllm.enforce_eager, "quantization": config.quantization}
-    digest = hashlib.sha256(json.dumps(answers, sort_keys=True, default=str).encode()).hexdigest()[:12]
-    return f"{runtime.revision}-{engine_kind or 'encoder'}-{digest}"
 
 
 def _no_static_batches(rows: list[Row]) -> list[Any]:

@@ -50,6 +50,9 @@ class StartupTimes:
     # vLLM's compile cache at start: "reused" (nothing new written), "filled" (this start
     # compiled and wrote it), None where the engine compiles nothing.
     compile_cache: Optional[str] = None
+    # Calls the router sent before the warm-up ended. Serve routes to a replica only once
+    # its first health check (which runs the warm-up) has passed, so this should stay 0.
+    calls_before_ready: int = 0
 
     def __post_init__(self) -> None:
         self.phases.setdefault("process", max(0.0, self.constructed_at - self.process_started_at))
@@ -61,6 +64,13 @@ class StartupTimes:
             yield
         finally:
             self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - started
+
+    def count_call_before_ready(self) -> bool:
+        """Counts a call that arrived before ready; returns whether it was one."""
+        if self.ready_at is not None:
+            return False
+        self.calls_before_ready += 1
+        return True
 
     def ready(self) -> float:
         """Marks the replica ready; returns its start-up, process start to now."""
@@ -78,6 +88,7 @@ class StartupTimes:
             "total_s": round(self.total_s, 2) if self.ready_at is not None else None,
             **{f"{name}_s": round(self.phases[name], 2) for name in PHASES if name in self.phases},
             "compile_cache": self.compile_cache,
+            "calls_before_ready": self.calls_before_ready,
         }
 
     def summary(self) -> str:

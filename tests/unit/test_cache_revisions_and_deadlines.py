@@ -31,7 +31,7 @@ from serve_app.core.calls import (
 from serve_app.core.errors import ContextLengthExceededError, DeadlineExceededError
 from serve_app.ingress.model_client import ModelClient
 from serve_app.ingress.response_cache import ResponseCache
-from serve_app.replica.model_server import ANSWERS_VERSION, answer_revision
+from serve_app.replica.revision import ANSWERS_VERSION, answer_revision
 
 from replica_fakes import FakeEncoder, run, server
 from handle_fakes import FakeBackend, Pending, Remote
