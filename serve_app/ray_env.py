@@ -64,3 +64,21 @@ def handle_message_budget_bytes() -> int:
     from ray.serve._private.constants import RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH
 
     return RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH * 3 // 4
+
+
+#: How long an ingress replica behind HAProxy stays reachable once Serve stops it, so
+#: that load balancers in front of the cluster can deregister it first: Ray's default is
+#: 30 s, paid by every deletion and every rolling update of an ingress (Router) replica.
+INGRESS_DRAIN_VARIABLE = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
+#: Enough for this node's own HAProxy to reload without the stopped replica, where it is
+#: the only load balancer (the test session, a benchmark's own Ray instance).
+LOCAL_INGRESS_DRAIN_S = 3.0
+
+
+def shorten_ingress_drain(environ: Optional[MutableMapping[str, str]] = None,
+                          seconds: float = LOCAL_INGRESS_DRAIN_S) -> str:
+    """Set the ingress drain window to ``seconds`` unless the variable is already set, for
+    a Ray instance with no load balancer in front of it but its own HAProxy; returns the
+    value in effect. Ray's processes read it at start: call it before ``ray.init``."""
+    environ = os.environ if environ is None else environ
+    return environ.setdefault(INGRESS_DRAIN_VARIABLE, str(seconds))

@@ -20,12 +20,16 @@ if _TESTS_DIR not in sys.path:
     sys.path.insert(0, _TESTS_DIR)
 
 from benchmarks.harness.processes import free_ports  # noqa: E402
-from serve_app.ray_env import apply_ray_env  # noqa: E402
+from serve_app.ray_env import apply_ray_env, shorten_ingress_drain  # noqa: E402
 
 # Ray Serve as `make serve` runs it: the high-throughput ingress (HAProxy) unless
 # SERVE_APP_HIGH_THROUGHPUT=0. Ray reads the variables when ray.serve is first imported
 # and hands them to the processes ray.init starts, so they go in before any test module.
 apply_ray_env()
+# An app deleted (every extra app a test deploys, every benchmark scenario) or a Router
+# replaced kept its Router reachable for Ray's 30 s drain window, meant for load balancers
+# outside the cluster; the session has none but its own HAProxy, which reloads within it.
+shorten_ingress_drain()
 # HAProxy's exporter, its stats page and Serve's fallback proxy bind fixed ports on all
 # interfaces (9101, 8404, 8500, 9500): a second Ray on this machine (a `make serve`, another
 # test session) would make HAProxy exit at start. The session takes free ones instead,

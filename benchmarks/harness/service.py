@@ -11,6 +11,7 @@ from urllib.parse import urlsplit
 import yaml
 
 from benchmarks.harness.processes import free_port
+from serve_app.ray_env import shorten_ingress_drain
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -93,6 +94,9 @@ class BenchCluster:
             # Ray's Prometheus endpoint on a port of our choice, reported every 2 s, for
             # scenarios that read replicas' counters while they run (day-real).
             self.metrics_port: Optional[int] = free_port()
+            # Scenarios delete their apps when done: without a load balancer in front of
+            # this instance, Ray's 30 s drain per deleted Router only delays the next one.
+            shorten_ingress_drain()
             ray.init(num_cpus=max(8, (os.cpu_count() or 2) * 4), include_dashboard=False, log_to_driver=False,
                      _metrics_export_port=self.metrics_port, _system_config={"metrics_report_interval_ms": 2000})
         self.port = free_port()

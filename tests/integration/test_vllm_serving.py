@@ -38,23 +38,23 @@ def local(deployed) -> str:
 @pytest.fixture(scope="module")
 def tiny_apps(redeploy_apps_module, tiny_llama_vllm_dir, tiny_lora_dir, deployed) -> str:
     """Two apps of the tiny llama on vLLM, deployed together. /tiny-vllm: one sequence
-    at a time, behind a router with a 1 s deadline. /tiny-lora: with a LoRA adapter
-    ("tiny-support") and the response cache."""
+    at a time, behind a router with a 1 s deadline. /tiny-lora: two replicas behind
+    prefix-affinity routing, each with a LoRA adapter ("tiny-support"), and the response
+    cache (one app for both: each vLLM engine start costs the suite about 30 s)."""
     model = {"name": "tiny-llama", "source": str(tiny_llama_vllm_dir), "task": "text-generation", "engine": "vllm",
              "resources": SMALL, "generation": {"default_max_tokens": 16, "max_tokens_limit": 200},
              "vllm": {"enforce_eager": True, "max_model_len": 128}}
     redeploy_apps_module([
         extra_app("tiny-vllm", {**model, "batching": {"max_batch_size": 1}}, router={"request_timeout_s": 1.0},
                   cache={"enabled": False}),
-        extra_app("tiny-lora", {**model, "adapters": [{"name": "tiny-support", "source": str(tiny_lora_dir)}]}),
-        extra_app("tiny-affinity", {**model, "num_replicas": 2, "routing": {"policy": "prefix_affinity"}},
-                  cache={"enabled": False}),
+        extra_app("tiny-lora", {**model, "adapters": [{"name": "tiny-support", "source": str(tiny_lora_dir)}],
+                                "num_replicas": 2, "routing": {"policy": "prefix_affinity"}}),
     ])
     return deployed
 
 
 def test_two_replicas_behind_prefix_affinity_routing_answer_every_call(tiny_apps):
-    base = f"{tiny_apps}/tiny-affinity"
+    base = f"{tiny_apps}/tiny-lora"
     lines = ["Once upon a time there was a little cat. " * 3, "The sun was warm, the sky was blue. " * 3]
     answers = [httpx.post(f"{base}/v1/chat/completions", timeout=120, json={
         "model": "tiny-llama", "max_tokens": 4, "temperature": 0,
