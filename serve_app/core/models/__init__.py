@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 # Each name from the module that defines it, imported when first used: the router and
 # cache processes import this package's light modules (checkpoint_formats, quantization,
-# sources, through the config) and would otherwise load torch and transformers at start,
+# sources, through the config) and would otherwise load torch at start,
 # about 1.4 s of CPU in every such process.
 _SOURCES = {
     "TaskRuntime": "base",
