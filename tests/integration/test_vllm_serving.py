@@ -40,7 +40,7 @@ def tiny_apps(redeploy_apps_module, tiny_llama_vllm_dir, tiny_lora_dir, deployed
     """Two apps of the tiny llama on vLLM, deployed together. /tiny-vllm: one sequence
     at a time, behind a router with a 1 s deadline. /tiny-lora: two replicas behind
     prefix-affinity routing, each with a LoRA adapter ("tiny-support"), and the response
-    cache (one app for both: each vLLM engine start costs the suite about 30 s)."""
+    cache (one app for both, so the suite starts one vLLM engine fewer)."""
     model = {"name": "tiny-llama", "source": str(tiny_llama_vllm_dir), "task": "text-generation", "engine": "vllm",
              "resources": SMALL, "generation": {"default_max_tokens": 16, "max_tokens_limit": 200},
              "vllm": {"enforce_eager": True, "max_model_len": 128}}

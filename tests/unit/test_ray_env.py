@@ -3,6 +3,9 @@ to turn it off, and a user's own exported values left alone."""
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 from serve_app.ray_env import (
     HIGH_THROUGHPUT_ENV,
     INGRESS_DRAIN_VARIABLE,
@@ -39,10 +42,6 @@ def test_a_value_the_user_exported_wins_over_the_default():
 
 
 def test_the_ingress_drain_is_shortened_only_where_unset_and_is_the_variable_ray_reads():
-    import importlib.util
-    from pathlib import Path
-
-
     environ: dict[str, str] = {}
     assert shorten_ingress_drain(environ) == str(LOCAL_INGRESS_DRAIN_S) == environ[INGRESS_DRAIN_VARIABLE]
     kept = {INGRESS_DRAIN_VARIABLE: "30"}

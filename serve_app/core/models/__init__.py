@@ -55,17 +55,4 @@ def __getattr__(name: str) -> Any:
     return value
 
 
-__all__ = [
-    "EmbeddingRuntime",
-    "GenerationRequest",
-    "GenerationResult",
-    "GenerationRuntime",
-    "ImageClassificationRuntime",
-    "LoadOptions",
-    "TaskRuntime",
-    "TextClassificationRuntime",
-    "load_runtime",
-    "model_revision",
-    "resolve_device",
-    "resolve_source",
-]
+__all__ = sorted(_SOURCES)
