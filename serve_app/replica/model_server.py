@@ -211,7 +211,9 @@ class ModelServer:
         with self.startup.phase("load"):
             model_dir = resolve_source(config.source, hub_revision=config.hub_revision,
                                        trust_remote_code=config.trust_remote_code)
-        reason = vllm_unavailable(config, model_dir)
+        with self.startup.phase("engine"):
+            # Importing vLLM to ask it (7 s on 2 cores) is part of starting its engine.
+            reason = vllm_unavailable(config, model_dir)
         if reason is not None:
             if config.engine == "vllm":
                 raise ValueError(f"model {config.name!r} has engine: vllm, but {reason}; use engine: auto or transformers")

@@ -11,9 +11,9 @@ health check, which Serve awaits before it marks the replica RUNNING and routes 
 The phases (seconds): ``process`` from the replica's process start to its constructor
 (Ray's worker start and imports), ``load`` resolving the model's files (a GGUF
 conversion on first use), ``engine`` starting the runtime (transformers: loading the
-weights; vLLM: its engine core's load, compile and KV-cache profiling), ``warmup`` the
-warm-up calls. ``total_s`` is process start to ready, which the daily-profile policy
-reads as the model's start-up (``serve_app.scaling``).
+weights; vLLM: importing it, then its engine core's start, load, compile and KV-cache
+profiling), ``warmup`` the warm-up calls. ``total_s`` is process start to ready, which
+the daily-profile policy reads as the model's start-up (``serve_app.scaling``).
 """
 
 from __future__ import annotations
