@@ -4,7 +4,9 @@ vLLM's own OpenAI server for the same model on the same machine.
 For each of the deployments file's chat and embedding models, as shipped (engine vLLM),
 four starts, one after another, nothing else running:
 
-- ours, cold: a new application whose ``vllm.compile_cache_dir`` is an empty directory;
+- ours, cold: a new application whose ``vllm.compile_cache_dir`` is an empty directory
+  (the model's one-time preparation on a machine type, a GGUF conversion and the
+  precision gate, done and timed before, see :func:`_prepare`);
 - ours, warm: the same application again, deleted and redeployed on the filled directory;
 - vLLM's server (``python -m vllm.entrypoints.openai.api_server``), cold and warm the
   same way (``VLLM_CACHE_ROOT`` and inductor's cache in a directory of its own), with the
@@ -61,12 +63,12 @@ def _peer_server(config_dict: dict, cache_dir: str, log_path: Path) -> VLLMServe
     import torch
 
     from serve_app.config import ModelConfig
-    from serve_app.core.models.devices import resolve_precision
     from serve_app.core.models.sources import resolve_source
+    from serve_app.optimize.precision_gate import replica_precision
     from serve_app.replica.vllm.runtime import cpu_engine_env, engine_args
 
     config = ModelConfig.model_validate(config_dict)
-    precision, _ = resolve_precision(config.precision, torch.device("cpu"))
+    precision, _ = replica_precision(config, torch.device("cpu"))  # the dtype our replica ran (gate included)
     config = config.model_copy(update={"precision": precision})
     model_dir = resolve_source(config.source)
     ours_env = cpu_engine_env(config)
@@ -79,6 +81,25 @@ def _peer_server(config_dict: dict, cache_dir: str, log_path: Path) -> VLLMServe
                               enable_prefix_caching=config.vllm.enable_prefix_caching,
                               kv_cache_gib=config.vllm.cpu_kv_cache_gib, pooling=config.task == "embedding")
     return VLLMServer(str(model_dir), config.name, settings, log_path=log_path, engine_flags=flags, env=env)
+
+
+def _prepare(config_dict: dict) -> float:
+    """Seconds this machine's one-time preparation of the model took: its files resolved
+    (a GGUF file converted to safetensors) and, for ``precision: auto``, the precision
+    gate's verdict. Both are kept in ``$SERVE_APP_CACHE`` per model and machine type, so
+    only a machine type's first start pays them (about 0 here when an earlier run did);
+    every start timed after it finds them done, as vLLM's server gets the converted files."""
+    import torch
+
+    from serve_app.config import ModelConfig
+    from serve_app.core.models.sources import resolve_source
+    from serve_app.optimize.precision_gate import replica_precision
+
+    config = ModelConfig.model_validate(config_dict)
+    started = time.perf_counter()
+    resolve_source(config.source, hub_revision=config.hub_revision, trust_remote_code=config.trust_remote_code)
+    replica_precision(config, torch.device("cpu"))
+    return time.perf_counter() - started
 
 
 def _first_answer_s(url: str, task: str, model: str) -> float:
@@ -159,6 +180,7 @@ def startup(ctx: Context) -> ScenarioResult:
     for task in ("text-generation", "embedding"):
         base = pick_model(ctx.models, task)
         name = base["name"]
+        result.derived[f"{name}: one-time preparation on this machine type (s)"] = round(_prepare(base), 1)
         with tempfile.TemporaryDirectory(prefix="startup-ours-") as ours_cache, \
                 tempfile.TemporaryDirectory(prefix="startup-vllm-") as peer_cache:
             for start in ("cold", "warm"):
