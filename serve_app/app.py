@@ -45,6 +45,17 @@ def autoscaling_config(model_name: str, profile_name: str, profile: LoadProfileC
     }
 
 
+def drain_s(config: AppConfig) -> float:
+    """How long a stopping Router or ModelServer replica (a redeploy, a scale-down) waits
+    for the requests it holds. The router ends every request within
+    ``router.request_timeout_s`` of its arrival (504 past it), so a replica stopped that
+    long after its last new request holds none; Serve's default of 20 s force-killed a
+    replaced Router whose requests were still waiting for the model's new replica, and
+    the client got a bare 500. The margin covers Serve's own shutdown loop; a replica
+    with nothing in flight stops at once whatever this is."""
+    return config.router.request_timeout_s + 5.0
+
+
 def model_deployment(model: ModelConfig, config: AppConfig, *, replicas: dict[str, Any] | None = None) -> Application:
     """The model's ModelServer deployment, bound. ``replicas`` (``num_replicas`` or an
     ``autoscaling_config``) replaces what the config asks for: a benchmark compares
@@ -100,7 +111,7 @@ def model_deployment(model: ModelConfig, config: AppConfig, *, replicas: dict[st
         # Loading a model can take minutes on a cold node; keep Serve from declaring
         # the replica failed while it downloads and converts weights.
         health_check_timeout_s=60,
-        graceful_shutdown_timeout_s=30,
+        graceful_shutdown_timeout_s=drain_s(config),
     ).bind(model.model_dump())
 
 
@@ -123,6 +134,7 @@ def router_app(config: AppConfig, model_apps: dict[str, Application], cache_app:
         max_ongoing_requests=config.router.max_ongoing_requests,
         max_queued_requests=config.router.max_queued_requests,
         ray_actor_options={"num_cpus": config.router.num_cpus, "resources": config.router.ray_resources},
+        graceful_shutdown_timeout_s=drain_s(config),
     ).bind(config.model_dump(), model_apps, cache_app)
 
 
