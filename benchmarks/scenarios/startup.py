@@ -58,25 +58,36 @@ def _our_config(base: dict, cache_dir: str) -> dict:
     return config
 
 
-def _peer_server(config_dict: dict, cache_dir: str, log_path: Path) -> VLLMServer:
-    """vLLM's server with the engine arguments our replica gives vLLM for this model."""
+def _resolved(config_dict: dict) -> tuple[Any, Path]:
+    """The model's config with the precision our replica runs it in (``precision: auto``
+    through the precision gate) and the directory of its files (a GGUF file converted to
+    safetensors). Both are kept in ``$SERVE_APP_CACHE`` per model and machine type: only
+    a machine type's first call pays them."""
     import torch
 
     from serve_app.config import ModelConfig
     from serve_app.core.models.sources import resolve_source
     from serve_app.optimize.precision_gate import replica_precision
-    from serve_app.replica.vllm.runtime import cpu_engine_env, engine_args
 
     config = ModelConfig.model_validate(config_dict)
-    precision, _ = replica_precision(config, torch.device("cpu"))  # the dtype our replica ran (gate included)
-    config = config.model_copy(update={"precision": precision})
-    model_dir = resolve_source(config.source)
+    model_dir = resolve_source(config.source, hub_revision=config.hub_revision,
+                               trust_remote_code=config.trust_remote_code)
+    precision, _ = replica_precision(config, torch.device("cpu"))
+    return config.model_copy(update={"precision": precision}), model_dir
+
+
+def _peer_server(config_dict: dict, cache_dir: str, log_path: Path) -> VLLMServer:
+    """vLLM's server with the engine arguments our replica gives vLLM for this model, in
+    the dtype our replica runs (the gate's verdict included)."""
+    from serve_app.replica.vllm.runtime import cpu_engine_env, engine_args
+
+    config, model_dir = _resolved(config_dict)
     ours_env = cpu_engine_env(config)
     env = {"VLLM_CACHE_ROOT": cache_dir, "TORCHINDUCTOR_CACHE_DIR": os.path.join(cache_dir, "inductor"),
            # The same threads and KV cache as ours; vLLM's compile and process settings are its own.
            "OMP_NUM_THREADS": ours_env["OMP_NUM_THREADS"], "VLLM_CPU_KVCACHE_SPACE": ours_env["VLLM_CPU_KVCACHE_SPACE"]}
     flags = vllm_cli_flags(engine_args(config, model_dir))
-    settings = EngineSettings(precision=precision, max_model_len=config.vllm.max_model_len or 0,
+    settings = EngineSettings(precision=config.precision, max_model_len=config.vllm.max_model_len or 0,
                               max_num_seqs=config.vllm.max_num_seqs or config.batching.max_batch_size,
                               enable_prefix_caching=config.vllm.enable_prefix_caching,
                               kv_cache_gib=config.vllm.cpu_kv_cache_gib, pooling=config.task == "embedding")
@@ -84,21 +95,11 @@ def _peer_server(config_dict: dict, cache_dir: str, log_path: Path) -> VLLMServe
 
 
 def _prepare(config_dict: dict) -> float:
-    """Seconds this machine's one-time preparation of the model took: its files resolved
-    (a GGUF file converted to safetensors) and, for ``precision: auto``, the precision
-    gate's verdict. Both are kept in ``$SERVE_APP_CACHE`` per model and machine type, so
-    only a machine type's first start pays them (about 0 here when an earlier run did);
-    every start timed after it finds them done, as vLLM's server gets the converted files."""
-    import torch
-
-    from serve_app.config import ModelConfig
-    from serve_app.core.models.sources import resolve_source
-    from serve_app.optimize.precision_gate import replica_precision
-
-    config = ModelConfig.model_validate(config_dict)
+    """Seconds this machine's one-time preparation of the model took (:func:`_resolved`;
+    about 0 when an earlier run did it): every start timed after it finds it done, as
+    vLLM's server gets the converted files."""
     started = time.perf_counter()
-    resolve_source(config.source, hub_revision=config.hub_revision, trust_remote_code=config.trust_remote_code)
-    replica_precision(config, torch.device("cpu"))
+    _resolved(config_dict)
     return time.perf_counter() - started
 
 
