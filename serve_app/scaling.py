@@ -138,6 +138,10 @@ class DailyProfilePolicy:
             current_replicas=int(ctx.target_num_replicas),
             state=policy_state.get(_STATE_KEY),
             prewarm_s=lead.seconds,
+            startup_s=lead.startup_s,
+            # Serve's target counts replicas still starting; current_num_replicas, those running.
+            starting_replicas=max(0, int(ctx.target_num_replicas) - int(getattr(ctx, "current_num_replicas",
+                                                                                 ctx.target_num_replicas))),
         )
         self.last_decision = decision
         self.last_lead = lead

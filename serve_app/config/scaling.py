@@ -90,9 +90,14 @@ class LoadProfileConfig(_Section):
         "ready, last 20 starts) plus this margin (cover node launch and image pull); the policy logs the lead. "
         "Unset: the lead is always prewarm_s.",
     )
-    upscale_delay_s: float = Field(30.0, ge=0, description="Load must ask for more replicas this long before they are added.")
+    upscale_delay_s: float = Field(
+        30.0, ge=0, description="Load must ask for more replicas this long before they are added; while replicas "
+        "already added are starting it adds none (for at most twice their start-up p95).",
+    )
     downscale_delay_s: float = Field(
-        300.0, ge=0, description="Load must ask for fewer replicas this long before they are removed."
+        300.0, ge=0, description="Load must ask for fewer replicas this long before they are removed, and at least "
+        "the start-up p95 the model's replicas report: one wanted back within its start-up would pay a start for "
+        "nothing.",
     )
     look_back_period_s: float = Field(
         30.0, gt=0, description="Seconds over which Ray Serve averages ongoing requests for the load signal."

@@ -15,7 +15,11 @@ Rules, in the order :func:`decide` applies them:
    have reported their start-ups (:func:`prewarm_lead`), else ``prewarm_s``.
 2. Inside the bounds, load decides: ``ceil(ongoing requests / target_ongoing_requests)``,
    applied once the wish has held for ``upscale_delay_s`` (up) or ``downscale_delay_s``
-   (down), so a burst does not start and stop replicas.
+   (down), so a burst does not start and stop replicas. Down also waits at least the
+   measured start-up p95: a replica let go and wanted back within its own start-up
+   pays a whole start (and the CPU it takes from the replicas serving) for nothing.
+   And while replicas already asked for are starting, load adds no more: what it reads
+   then is traffic they will take.
 All durations are in the profile's clock: under a simulated (compressed) clock a
 downscale delay of 300 s passes in 300 simulated seconds.
 """
@@ -245,6 +249,9 @@ class PrewarmLead:
 
     seconds: float
     reason: str
+    # The measured start-up p95 in the profile's clock (None until a replica reported one):
+    # how long a load-driven change waits, at least for down and at most for up (see decide).
+    startup_s: Optional[float] = None
 
 
 # Start-ups a policy keeps for the p95: enough for a stable figure, few enough to follow
@@ -255,17 +262,19 @@ STARTUP_SAMPLES = 20
 def prewarm_lead(profile: LoadProfile, startups_s: list[float]) -> PrewarmLead:
     """The prewarm lead: the measured start-up p95 of the model's replicas (real
     seconds, converted to the profile's clock) plus ``prewarm_margin_s``, once there is
-    a measured start-up and a margin is configured; otherwise ``prewarm_s``."""
-    if profile.prewarm_margin_s is None:
-        return PrewarmLead(profile.prewarm_s, f"prewarm_s {profile.prewarm_s:g} s")
+    a measured start-up and a margin is configured; otherwise ``prewarm_s``. The p95
+    itself travels along (``startup_s``) whenever a start-up was measured."""
     if not startups_s:
-        return PrewarmLead(profile.prewarm_s, f"prewarm_s {profile.prewarm_s:g} s until a replica start is measured")
+        suffix = " until a replica start is measured" if profile.prewarm_margin_s is not None else ""
+        return PrewarmLead(profile.prewarm_s, f"prewarm_s {profile.prewarm_s:g} s{suffix}")
     p95 = percentile(startups_s, 95)
     speedup = profile.clock.speedup if profile.clock else 1.0
-    lead = p95 * speedup + profile.prewarm_margin_s
     clock = f" x {speedup:g} (simulated clock)" if profile.clock else ""
-    return PrewarmLead(lead, f"start-up p95 {p95:.1f} s of {len(startups_s)} start(s){clock} "
-                             f"+ margin {profile.prewarm_margin_s:g} s = {lead:.0f} s")
+    startup = f"start-up p95 {p95:.1f} s of {len(startups_s)} start(s){clock}"
+    if profile.prewarm_margin_s is None:
+        return PrewarmLead(profile.prewarm_s, f"prewarm_s {profile.prewarm_s:g} s; {startup}", p95 * speedup)
+    lead = p95 * speedup + profile.prewarm_margin_s
+    return PrewarmLead(lead, f"{startup} + margin {profile.prewarm_margin_s:g} s = {lead:.0f} s", p95 * speedup)
 
 
 def scheduled_bounds(profile: LoadProfile, now: datetime, prewarm_s: Optional[float] = None) -> Bounds:
@@ -301,14 +310,19 @@ def decide(
     current_replicas: int,
     state: Optional[dict[str, Any]] = None,
     prewarm_s: Optional[float] = None,
+    startup_s: Optional[float] = None,
+    starting_replicas: int = 0,
 ) -> tuple[Decision, dict[str, Any]]:
     """The replica count for ``now``, and the state to pass to the next call.
 
     ``total_requests`` is the deployment's ongoing plus queued requests (Ray averages
     them over its look-back period); ``current_replicas`` is the current target. The
-    state holds only the pending load-driven change (its direction and since when), as
-    JSON-friendly values. ``prewarm_s``: the lead to use instead of the profile's
-    (:func:`prewarm_lead`).
+    state holds only the pending load-driven change (its direction and since when), or
+    since when a scale-up has waited for starting replicas, as JSON-friendly values.
+    ``prewarm_s``: the lead to use instead of the profile's (:func:`prewarm_lead`).
+    ``startup_s``: the model's measured start-up p95, in the profile's clock; a
+    load-driven scale-down waits at least that long, and while ``starting_replicas``
+    (asked for, not yet running) start, load adds no more for up to twice that long.
     """
     state = dict(state or {})
     bounds = scheduled_bounds(profile, now, prewarm_s)
@@ -317,9 +331,11 @@ def decide(
     wanted = min(max(for_load, bounds.min_replicas), bounds.max_replicas)
     load_text = f"load {total_requests:.1f} requests / target {window.target_ongoing_requests:g} per replica -> {for_load}"
 
+    carried: dict[str, Any] = {}  # kept in every state returned after it is set
+
     def done(replicas: int, cause: str, reason: str, pending: Optional[tuple[str, float]] = None):
         new_state = {"pending": pending[0], "pending_since": pending[1]} if pending else {}
-        return Decision(replicas, bounds, for_load, cause, reason), new_state
+        return Decision(replicas, bounds, for_load, cause, reason), {**new_state, **carried}
 
     if current_replicas < bounds.min_replicas:
         if bounds.prewarm_for is not None:
@@ -336,12 +352,26 @@ def decide(
         return done(current_replicas, "steady", f"window {window.label()}: {load_text}, within [{bounds.min_replicas}, {bounds.max_replicas}]")
 
     direction = "up" if wanted > current_replicas else "down"
-    delay_s = profile.upscale_delay_s if direction == "up" else profile.downscale_delay_s
     now_s = now.timestamp()
+    if direction == "up" and starting_replicas > 0 and startup_s is not None:
+        # The replicas already asked for have not started: the load read now is traffic they
+        # will take (and, where replicas share CPUs, what their start takes from the ones
+        # serving), so more are added only once they run, or after twice the start-up p95
+        # (a start that hangs must not block scaling).
+        carried["starting_since"] = waiting_since = float(state.get("starting_since", now_s))
+        if now_s - waiting_since < 2 * startup_s:
+            return done(current_replicas, "load_pending", f"window {window.label()}: {load_text}; scaling up to "
+                                                           f"{wanted} once the {starting_replicas} starting replica(s) run")
+    delay_s = profile.upscale_delay_s if direction == "up" else profile.downscale_delay_s
+    held_for = f"{delay_s:g} s"
+    if direction == "down" and startup_s is not None and startup_s > delay_s:
+        # Break-even: wanted back within its start-up, the replica would cost a start.
+        delay_s = startup_s
+        held_for = f"{delay_s:.0f} s (the start-up p95; downscale_delay_s {profile.downscale_delay_s:g} s)"
     since = state.get("pending_since") if state.get("pending") == direction else None
     since = now_s if since is None else float(since)
     if now_s - since >= delay_s:
-        return done(wanted, "load", f"window {window.label()}: {load_text}, held {delay_s:g} s: {current_replicas} -> {wanted}")
+        return done(wanted, "load", f"window {window.label()}: {load_text}, held {held_for}: {current_replicas} -> {wanted}")
     return done(
         current_replicas,
         "load_pending",

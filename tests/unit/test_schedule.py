@@ -267,3 +267,89 @@ def test_the_policy_remembers_each_replicas_reported_startup():
     replicas, state = policy(ctx(_at(MON, "06:55"), {"r2": 300.0}, state))
     assert state["serve_app_startups"] == {"r1": 100.0, "r2": 300.0}
     assert policy.last_lead.seconds == 360 and replicas == 4 and policy.last_decision.cause == "prewarm"
+
+
+def test_a_scale_down_waits_at_least_the_measured_startup():
+    """Let go and wanted back within its start-up, a replica costs a whole start: down
+    waits max(downscale_delay_s, start-up p95), and only down does."""
+    profile = _profile()  # downscale_delay_s 300, upscale_delay_s 30
+    noon = _at(MON, "12:00")
+    lead = prewarm_lead(profile, [900.0])
+    assert lead.seconds == 600 and lead.startup_s == 900, "no margin: the lead stays prewarm_s, the p95 is kept"
+    decision, state = decide(profile, noon, total_requests=8, current_replicas=6, startup_s=lead.startup_s)
+    assert decision.cause == "load_pending" and "after 900 s more" in decision.reason
+    later = noon + timedelta(seconds=600)
+    decision, state = decide(profile, later, total_requests=8, current_replicas=6, state=state, startup_s=900)
+    assert decision.replicas == 6, "past downscale_delay_s, not past the start-up"
+    decision, _ = decide(profile, noon + timedelta(seconds=900), total_requests=8, current_replicas=6, state=state,
+                         startup_s=900)
+    assert decision.replicas == 4 and "held 900 s (the start-up p95; downscale_delay_s 300 s)" in decision.reason
+    # A start-up shorter than the delay changes nothing, and up keeps upscale_delay_s.
+    decision, state = decide(profile, noon, total_requests=8, current_replicas=6, startup_s=60)
+    assert "after 300 s more" in decision.reason
+    decision, state = decide(profile, noon, total_requests=48, current_replicas=4, startup_s=900)
+    decision, _ = decide(profile, noon + timedelta(seconds=30), total_requests=48, current_replicas=4, state=state,
+                         startup_s=900)
+    assert decision.replicas == 6
+
+
+def test_the_policy_holds_a_scale_down_for_the_reported_startup():
+    from serve_app.scaling import STARTUP_METRIC, DailyProfilePolicy
+
+    policy = DailyProfilePolicy("m", "p", DAY)  # no margin: the hold needs no prewarm setting
+
+    def ctx(when, load, state):
+        return SimpleNamespace(current_time=when.timestamp(), total_num_requests=load, target_num_replicas=6,
+                               policy_state=state, aggregated_metrics={STARTUP_METRIC: {"r1": 500.0}})
+
+    _, state = policy(ctx(_at(MON, "12:00"), 8, {}))
+    replicas, state = policy(ctx(_at(MON, "12:06"), 8, state))
+    assert replicas == 6 and "after 140 s more" in policy.last_decision.reason, "past downscale_delay_s (300 s)"
+    replicas, _ = policy(ctx(_at(MON, "12:08", seconds=20), 8, state))
+    assert replicas == 4 and "start-up p95 500.0 s" in policy.last_lead.reason
+
+
+def test_load_adds_no_replica_while_the_ones_asked_for_start():
+    """A scale-up waits for the replicas still starting (at most twice the start-up p95),
+    then needs its upscale_delay_s afresh; without a measured start-up it does not wait."""
+    profile = _profile()  # upscale_delay_s 30
+    noon = _at(MON, "12:00")
+    decision, state = decide(profile, noon, total_requests=48, current_replicas=5, startup_s=100, starting_replicas=1)
+    assert (decision.replicas, decision.cause) == (5, "load_pending")
+    assert "once the 1 starting replica(s) run" in decision.reason and state == {"starting_since": noon.timestamp()}
+    decision, state = decide(profile, noon + timedelta(seconds=150), total_requests=48, current_replicas=5,
+                             state=state, startup_s=100, starting_replicas=1)
+    assert decision.replicas == 5
+    # Started: the wish is new, and waits its upscale delay.
+    later = noon + timedelta(seconds=160)
+    decision, state = decide(profile, later, total_requests=48, current_replicas=5, state=state, startup_s=100)
+    assert decision.cause == "load_pending" and "after 30 s more" in decision.reason
+    decision, _ = decide(profile, later + timedelta(seconds=30), total_requests=48, current_replicas=5, state=state,
+                         startup_s=100)
+    assert decision.replicas == 6
+    # A start that hangs: after twice the start-up p95 (200 s), load scales again.
+    _, state = decide(profile, noon, total_requests=48, current_replicas=5, startup_s=100, starting_replicas=1)
+    decision, state = decide(profile, noon + timedelta(seconds=200), total_requests=48, current_replicas=5,
+                             state=state, startup_s=100, starting_replicas=1)
+    assert decision.cause == "load_pending" and "after 30 s more" in decision.reason
+    decision, state = decide(profile, noon + timedelta(seconds=230), total_requests=48, current_replicas=5,
+                             state=state, startup_s=100, starting_replicas=1)
+    assert decision.replicas == 6, "the wait for the hung start is not started over"
+    # No start-up measured yet: nothing to wait by, the delay alone applies.
+    decision, _ = decide(profile, noon, total_requests=48, current_replicas=5, starting_replicas=1)
+    assert "after 30 s more" in decision.reason
+
+
+def test_the_policy_counts_replicas_serve_is_still_starting():
+    from serve_app.scaling import STARTUP_METRIC, DailyProfilePolicy
+
+    policy = DailyProfilePolicy("m", "p", {**DAY, "upscale_delay_s": 0})
+    startups = {STARTUP_METRIC: {"r1": 60.0}}
+
+    def ctx(running, target):
+        return SimpleNamespace(current_time=_at(MON, "12:00").timestamp(), total_num_requests=48,
+                               target_num_replicas=target, current_num_replicas=running, policy_state={},
+                               aggregated_metrics=startups)
+
+    assert policy(ctx(running=4, target=5))[0] == 5 and "starting replica(s)" in policy.last_decision.reason
+    assert policy(ctx(running=5, target=5))[0] == 6
