@@ -270,11 +270,12 @@ def prewarm_lead(profile: LoadProfile, startups_s: list[float]) -> PrewarmLead:
     p95 = percentile(startups_s, 95)
     speedup = profile.clock.speedup if profile.clock else 1.0
     clock = f" x {speedup:g} (simulated clock)" if profile.clock else ""
+    startup_s = p95 * speedup
     startup = f"start-up p95 {p95:.1f} s of {len(startups_s)} start(s){clock}"
     if profile.prewarm_margin_s is None:
-        return PrewarmLead(profile.prewarm_s, f"prewarm_s {profile.prewarm_s:g} s; {startup}", p95 * speedup)
-    lead = p95 * speedup + profile.prewarm_margin_s
-    return PrewarmLead(lead, f"{startup} + margin {profile.prewarm_margin_s:g} s = {lead:.0f} s", p95 * speedup)
+        return PrewarmLead(profile.prewarm_s, f"prewarm_s {profile.prewarm_s:g} s; {startup}", startup_s)
+    lead = startup_s + profile.prewarm_margin_s
+    return PrewarmLead(lead, f"{startup} + margin {profile.prewarm_margin_s:g} s = {lead:.0f} s", startup_s)
 
 
 def scheduled_bounds(profile: LoadProfile, now: datetime, prewarm_s: Optional[float] = None) -> Bounds:
@@ -331,11 +332,13 @@ def decide(
     wanted = min(max(for_load, bounds.min_replicas), bounds.max_replicas)
     load_text = f"load {total_requests:.1f} requests / target {window.target_ongoing_requests:g} per replica -> {for_load}"
 
-    carried: dict[str, Any] = {}  # kept in every state returned after it is set
+    starting_since: Optional[float] = None  # set while a scale-up waits for starting replicas
 
     def done(replicas: int, cause: str, reason: str, pending: Optional[tuple[str, float]] = None):
         new_state = {"pending": pending[0], "pending_since": pending[1]} if pending else {}
-        return Decision(replicas, bounds, for_load, cause, reason), {**new_state, **carried}
+        if starting_since is not None:
+            new_state["starting_since"] = starting_since
+        return Decision(replicas, bounds, for_load, cause, reason), new_state
 
     if current_replicas < bounds.min_replicas:
         if bounds.prewarm_for is not None:
@@ -358,8 +361,8 @@ def decide(
         # will take (and, where replicas share CPUs, what their start takes from the ones
         # serving), so more are added only once they run, or after twice the start-up p95
         # (a start that hangs must not block scaling).
-        carried["starting_since"] = waiting_since = float(state.get("starting_since", now_s))
-        if now_s - waiting_since < 2 * startup_s:
+        starting_since = float(state.get("starting_since", now_s))
+        if now_s - starting_since < 2 * startup_s:
             return done(current_replicas, "load_pending", f"window {window.label()}: {load_text}; scaling up to "
                                                            f"{wanted} once the {starting_replicas} starting replica(s) run")
     delay_s = profile.upscale_delay_s if direction == "up" else profile.downscale_delay_s
