@@ -28,7 +28,8 @@ from typing import Any, Sequence
 import torch
 
 from serve_app.core.models import EmbeddingRuntime, GenerationRuntime, TaskRuntime
-from serve_app.core.models.generation import encode_chat_template
+from serve_app.core.calls import SamplingParams
+from serve_app.core.models.generation import GenerationRequest, encode_chat_template
 
 #: New tokens of each greedy answer compared.
 ANSWER_TOKENS = 24
@@ -64,40 +65,67 @@ def _prompt_ids(runtime: GenerationRuntime, prompt: str) -> list[int]:
     return runtime.tokenizer(prompt).input_ids
 
 
-def _greedy(runtime: GenerationRuntime, ids: list[int], new_tokens: int) -> list[int]:
-    inputs = torch.tensor([ids], device=runtime.device)
-    with torch.inference_mode():
-        out = runtime.model.generate(input_ids=inputs, attention_mask=torch.ones_like(inputs),
-                                     max_new_tokens=new_tokens, do_sample=False, pad_token_id=runtime.pad_token_id)
-    return out[0, len(ids):].tolist()
+#: Prompts generated (and teacher-forced) together, in one left-padded generate() per
+#: group instead of one per prompt. SmolLM2's 24-token answers in fp32 on a 2-core AVX2
+#: EPYC took 0.95 s per prompt one at a time, 0.38 s in groups of 8, 0.21 s all 24
+#: together (in emulated bf16, about 0.9 s each way: batching pays where bf16 is native,
+#: which is where the precision gate runs). The set's prompts and answers are short
+#: (under 70 tokens), so a group of 32 costs little memory even for a large model.
+BATCH_PROMPTS = 32
 
 
-def _forced_choices(runtime: GenerationRuntime, ids: list[int], answer: list[int]) -> list[int]:
-    """The model's top token at each answer position, having read the answer so far."""
-    inputs = torch.tensor([ids + answer], device=runtime.device)
+def _greedy_answers(runtime: GenerationRuntime, prompts: Sequence[list[int]], new_tokens: int) -> list[list[int]]:
+    """Each prompt's greedy answer, as the runtime serves it (left-padded rows with their
+    attention masks, each ending at its own EOS)."""
+    requests = [GenerationRequest(prompt_ids=ids, max_tokens=new_tokens) for ids in prompts]
+    return [result.token_ids for result in runtime.generate(requests, SamplingParams(temperature=0.0))]
+
+
+def _forced_choices(runtime: GenerationRuntime, prompts: Sequence[list[int]],
+                    answers: Sequence[list[int]]) -> list[list[int]]:
+    """The model's top token at each answer position, having read the answer so far, for
+    every (prompt, answer) row in one forward pass (right-padded: causal attention keeps
+    the padding out of every real position)."""
+    rows = [ids + answer for ids, answer in zip(prompts, answers)]
+    width = max(len(row) for row in rows)
+    inputs = torch.full((len(rows), width), runtime.pad_token_id, dtype=torch.long)
+    mask = torch.zeros_like(inputs)
+    for i, row in enumerate(rows):
+        inputs[i, :len(row)] = torch.tensor(row)
+        mask[i, :len(row)] = 1
     with torch.inference_mode():
-        logits = runtime.model(input_ids=inputs).logits[0]
-    return logits[len(ids) - 1: len(ids) - 1 + len(answer)].argmax(dim=-1).tolist()
+        top = runtime.model(input_ids=inputs.to(runtime.device), attention_mask=mask.to(runtime.device)
+                            ).logits.argmax(dim=-1).cpu()
+    return [top[i, len(ids) - 1: len(ids) - 1 + len(answer)].tolist()
+            for i, (ids, answer) in enumerate(zip(prompts, answers))]
 
 
 def chat_agreement(reference: GenerationRuntime, candidate: GenerationRuntime, items: Sequence[ChatItem],
-                   new_tokens: int = ANSWER_TOKENS) -> dict[str, Any]:
+                   new_tokens: int = ANSWER_TOKENS, batch_prompts: int = BATCH_PROMPTS) -> dict[str, Any]:
     agreed = compared = identical = 0
     correct = {"reference": 0, "candidate": 0}
     graded = 0
-    for item in items:
-        ids = _prompt_ids(reference, item.prompt)
-        answers = {"reference": _greedy(reference, ids, new_tokens), "candidate": _greedy(candidate, ids, new_tokens)}
-        if answers["reference"]:
-            choices = _forced_choices(candidate, ids, answers["reference"])
-            agreed += sum(a == b for a, b in zip(choices, answers["reference"]))
-            compared += len(answers["reference"])
-        identical += answers["reference"] == answers["candidate"]
-        if item.expect:
-            graded += 1
-            for name, tokens in answers.items():
-                text = reference.tokenizer.decode(tokens, skip_special_tokens=True)
-                correct[name] += item.expect.lower() in text.lower()
+    prompts = [_prompt_ids(reference, item.prompt) for item in items]
+    # Prompts of like length share a group, so rows carry little padding.
+    order = sorted(range(len(items)), key=lambda i: len(prompts[i]))
+    for start in range(0, len(order), batch_prompts):
+        group = order[start:start + batch_prompts]
+        ids = [prompts[i] for i in group]
+        answers = {"reference": _greedy_answers(reference, ids, new_tokens),
+                   "candidate": _greedy_answers(candidate, ids, new_tokens)}
+        forced = [(p, a) for p, a in zip(ids, answers["reference"]) if a]
+        if forced:
+            choices = _forced_choices(candidate, [p for p, _ in forced], [a for _, a in forced])
+            for chosen, (_, answer) in zip(choices, forced):
+                agreed += sum(a == b for a, b in zip(chosen, answer))
+                compared += len(answer)
+        for row, i in enumerate(group):
+            identical += answers["reference"][row] == answers["candidate"][row]
+            if items[i].expect:
+                graded += 1
+                for name in answers:
+                    text = reference.tokenizer.decode(answers[name][row], skip_special_tokens=True)
+                    correct[name] += items[i].expect.lower() in text.lower()
     return {
         "prompts": len(items), "answer_tokens": new_tokens,
         "greedy_agreement": round(agreed / compared, 4) if compared else None,

@@ -37,7 +37,7 @@ from serve_app.core.models.sources import _default_cache_dir, model_revision, re
 logger = logging.getLogger(__name__)
 
 #: Bump when what the gate measures changes (its texts or figures): old verdicts expire.
-GATE_VERSION = 1
+GATE_VERSION = 2  # 2: the chat evaluation generates its prompts in left-padded batches
 
 
 def _verdict_path(model_dir: Path, task: str, device_type: str, floor: Any) -> Path:

@@ -129,3 +129,16 @@ def test_a_model_the_gate_cannot_measure_keeps_the_hardwares_pick(tiny_llama_dir
                              source=str(tiny_llama_dir), hub_revision=None, trust_remote_code=False)
     precision, why = precision_gate.replica_precision(config, SimpleNamespace(type="cpu"))
     assert precision == "bf16" and why == "auto: bf16 units; not gated: ValueError"
+
+
+def test_the_chat_evaluation_in_batches_gives_the_figures_of_one_prompt_at_a_time(tiny_llama_dir):
+    options = dict(source=str(tiny_llama_dir), task="text-generation", device="cpu")
+    reference = load_runtime(LoadOptions(**options, precision="fp32"))
+    candidate = load_runtime(LoadOptions(**options, precision="bf16"))
+    items = evaluation.chat_items()[:12]
+    alone = evaluation.chat_agreement(reference, candidate, items, new_tokens=8, batch_prompts=1)
+    batched = evaluation.chat_agreement(reference, candidate, items, new_tokens=8, batch_prompts=5)
+    assert batched == alone
+    # Against itself every teacher-forced choice agrees: the answer positions line up in the padded rows.
+    same = evaluation.chat_agreement(reference, reference, items, new_tokens=8)
+    assert same["greedy_agreement"] == 1.0 and same["answers_identical"] == 1.0
