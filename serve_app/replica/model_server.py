@@ -65,7 +65,9 @@ from serve_app.replica.stats import ReplicaObserver
 # serve_app.replica.vllm imports vLLM itself only when a model starts on it.
 from serve_app.replica.vllm.embeddings import VLLMEmbedder
 from serve_app.replica.vllm.generation import VLLMEngine
-from serve_app.replica.vllm.runtime import VLLMRuntime, compile_cache_dir, start_vllm, vllm_unavailable
+from serve_app.replica.vllm.engine_process import EngineProcessServer
+from serve_app.replica.vllm.runtime import (VLLMRuntime, compile_cache_dir, start_engine_process_server, start_vllm,
+                                             vllm_unavailable)
 from serve_app.scaling import ONGOING_CALLS_METRIC, STARTUP_METRIC
 from serve_app.serve_logs import start_log_flusher
 
@@ -171,6 +173,9 @@ class ModelServer:
         config = self.config
         torch.set_num_threads(config.effective_torch_threads())
         started = time.perf_counter()
+        # First thing: the process vLLM's engine core will be forked from starts importing
+        # vLLM beside the rest of this start (serve_app.replica.vllm.engine_process).
+        server = start_engine_process_server(config) if self._wants_vllm() else None
         try:
             # "auto" becomes bf16 or fp32 here, on the node the replica landed on.
             # (through the quality gate: a model whose bf16 answers fall below the floor stays fp32)
@@ -179,7 +184,7 @@ class ModelServer:
             logger.info("model %s: precision %s (%s)", config.name, precision, why)
             config = config.model_copy(update={"precision": precision})
             if self._wants_vllm():
-                runtime = self._start_vllm(config)
+                runtime = self._start_vllm(config, server)
                 if runtime is not None:
                     logger.info("model %s started on vLLM in %.1fs: task=%s device=%s dtype=%s context=%d",
                                 config.name, time.perf_counter() - started, runtime.task, runtime.device,
@@ -192,6 +197,8 @@ class ModelServer:
                     quantization=config.quantization,
                 ))
         except Exception as exc:
+            if server is not None:
+                server.stop()
             # Serve retries the start a few times, then marks only this deployment
             # DEPLOY_FAILED; the router answers 503 for this model and serves the others.
             logger.error("model %s failed to load from %s (task %s): %s: %s", config.name, config.source,
@@ -204,10 +211,11 @@ class ModelServer:
         )
         return runtime
 
-    def _start_vllm(self, config: ModelConfig):
+    def _start_vllm(self, config: ModelConfig, server: Optional[EngineProcessServer]):
         """vLLM's engine for the model (``config``: the replica's, its precision resolved),
         or None where ``engine: auto`` falls back to the transformers runtime (logged with
-        the reason); ``engine: vllm`` raises instead."""
+        the reason); ``engine: vllm`` raises instead. ``server``: where its engine core is
+        forked from, if anywhere."""
         with self.startup.phase("load"):
             model_dir = resolve_source(config.source, hub_revision=config.hub_revision,
                                        trust_remote_code=config.trust_remote_code)
@@ -218,6 +226,8 @@ class ModelServer:
             if config.engine == "vllm":
                 raise ValueError(f"model {config.name!r} has engine: vllm, but {reason}; use engine: auto or transformers")
             logger.info("model %s: engine auto picked the transformers runtime: %s", config.name, reason)
+            if server is not None:
+                server.stop()
             return None
         logger.info("model %s: engine %s picked vLLM", config.name, config.engine)
         # The same files on vLLM answer slightly differently from the transformers
@@ -226,7 +236,8 @@ class ModelServer:
         cache_dir = compile_cache_dir(config)
         before = directory_bytes(cache_dir)
         with self.startup.phase("engine"):
-            runtime = start_vllm(config, model_dir, revision, self._metrics)
+            runtime = start_vllm(config, model_dir, revision, self._metrics, server)
+        self.startup.engine_process = server.engine_process if server is not None else "spawned: no server"
         if cache_dir is not None and not config.vllm.enforce_eager:
             self.startup.compile_cache = "reused" if directory_bytes(cache_dir) == before else "filled"
         return runtime

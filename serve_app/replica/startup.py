@@ -53,6 +53,9 @@ class StartupTimes:
     # Calls the router sent before the warm-up ended. Serve routes to a replica only once
     # its first health check (which runs the warm-up) has passed, so this should stay 0.
     calls_before_ready: int = 0
+    # vLLM's engine core process: "preloaded" (forked from the replica's engine process
+    # server, its imports done), "spawned: <why>", None for other engines.
+    engine_process: Optional[str] = None
 
     def __post_init__(self) -> None:
         self.phases.setdefault("process", max(0.0, self.constructed_at - self.process_started_at))
@@ -89,12 +92,14 @@ class StartupTimes:
             **{f"{name}_s": round(self.phases[name], 2) for name in PHASES if name in self.phases},
             "compile_cache": self.compile_cache,
             "calls_before_ready": self.calls_before_ready,
+            "engine_process": self.engine_process,
         }
 
     def summary(self) -> str:
         phases = ", ".join(f"{name} {self.phases[name]:.1f}s" for name in PHASES if name in self.phases)
         cache = f", compile cache {self.compile_cache}" if self.compile_cache else ""
-        return f"{self.total_s:.1f}s from process start ({phases}{cache})"
+        process = f", engine core {self.engine_process}" if self.engine_process else ""
+        return f"{self.total_s:.1f}s from process start ({phases}{cache}{process})"
 
 
 # Words of one token each in common vocabularies, so a text of n words is about n tokens.

@@ -424,6 +424,8 @@ def test_healthz_is_503_while_a_replica_starts_and_200_once_it_answered_its_warm
     assert answer.status_code == 200, answer.text
     stats = httpx.get(f"{base}/v1/stats", timeout=60).json()["models"]["tiny-llama"]["startup"]
     assert stats["ready"] and stats["total_s"] >= stats["engine_s"] > 0 and stats["warmup_s"] >= 0
+    # Its engine core was forked from the server that imported vLLM beside the replica's start.
+    assert stats["engine_process"] == "preloaded", stats
     # The phases account for the start (importing vLLM, 7 s on 2 cores, once fell between them).
     unaccounted = stats["total_s"] - sum(stats[f"{phase}_s"] for phase in PHASES)
     assert unaccounted <= 0.1 * stats["total_s"] + 2, stats

@@ -22,6 +22,7 @@ from serve_app.core.models.base import token_id_input, vocabulary_size
 from serve_app.core.models.checkpoint_formats import VLLM_FORMATS, check_checkpoint_matches, check_vllm_format
 from serve_app.core.models.generation import encode_chat_template
 from serve_app.core.models.hardware import cpu_flags
+from serve_app.replica.vllm.engine_process import EngineProcessServer
 from serve_app.replica.vllm.adapters import adapters_revision, load_adapters, lora_engine_args
 from serve_app.replica.vllm.stats import EngineStatsLogger
 from serve_app.replica.vllm.tools import tool_parser_class
@@ -260,21 +261,43 @@ def aot_artifacts_load() -> bool:
     return any(ep.value.startswith("serve_app.") for ep in entry_points(group="vllm.general_plugins"))
 
 
-def start_vllm(config: ModelConfig, model_dir: Path, revision: str, model_metrics: Any) -> VLLMRuntime:
-    """Start vLLM's async engine for the model (its engine core runs in a child process)."""
+def on_gpu(config: ModelConfig) -> bool:
+    return config.resources.num_gpus > 0 and config.device != "cpu"
+
+
+def apply_engine_env(config: ModelConfig) -> bool:
+    """Puts the engine's environment (:func:`cpu_engine_env` or :func:`gpu_engine_env`)
+    into this process's, which vLLM's engine core inherits; returns whether on a GPU."""
+    if on_gpu(config):
+        os.environ.update(gpu_engine_env(config))
+        return True
+    for name, value in cpu_engine_env(config).items():
+        # The user's own exported switches win; the others are ours.
+        if name in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_USE_AOT_COMPILE"):
+            os.environ.setdefault(name, value)
+        else:
+            os.environ[name] = value
+    return False
+
+
+def start_engine_process_server(config: ModelConfig) -> Optional[EngineProcessServer]:
+    """At the very start of a replica that will run ``config`` on vLLM's CPU build: the
+    server its engine core will be forked from (see engine_process), importing vLLM while
+    the replica does the rest of its start. None on a GPU, where vLLM starts as shipped."""
+    if on_gpu(config) or importlib.util.find_spec("vllm") is None:
+        return None
+    apply_engine_env(config)
+    return EngineProcessServer.start()
+
+
+def start_vllm(config: ModelConfig, model_dir: Path, revision: str, model_metrics: Any,
+               server: Optional[EngineProcessServer] = None) -> VLLMRuntime:
+    """Start vLLM's async engine for the model (its engine core runs in a child process,
+    forked from ``server`` where there is one)."""
     from vllm import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    on_gpu = config.resources.num_gpus > 0 and config.device != "cpu"
-    if on_gpu:
-        os.environ.update(gpu_engine_env(config))
-    else:
-        for name, value in cpu_engine_env(config).items():
-            # The user's own exported switches win; the others are ours.
-            if name in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_USE_AOT_COMPILE"):
-                os.environ.setdefault(name, value)
-            else:
-                os.environ[name] = value
+    gpu = apply_engine_env(config)
     tool_parser = tool_parser_class(config.vllm.tool_parser)  # a wrong name fails before minutes of start
     stats_logger = EngineStatsLogger(model_metrics)
     loggers: list[Any] = [lambda vllm_config, engine_index: stats_logger]
@@ -285,12 +308,13 @@ def start_vllm(config: ModelConfig, model_dir: Path, revision: str, model_metric
         loggers.append(RayPrometheusStatLogger)
     adapters = load_adapters(config)
     args = {**engine_args(config, model_dir), **lora_engine_args(adapters)}
-    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**args), stat_loggers=loggers)
+    with server.serving_vllm() if server is not None else contextlib.nullcontext():
+        engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**args), stat_loggers=loggers)
     model_config = engine.model_config
     return VLLMRuntime(
         task=config.task, engine=engine, tokenizer=engine.get_tokenizer(), adapters=adapters,
         revision=revision + adapters_revision(adapters),  # an adapter's new files: new cache keys
-        max_input_tokens=int(model_config.max_model_len), device="cuda" if on_gpu else "cpu",
+        max_input_tokens=int(model_config.max_model_len), device="cuda" if gpu else "cpu",
         dtype=str(model_config.dtype).replace("torch.", ""), stats_logger=stats_logger, tool_parser=tool_parser,
     )
 
