@@ -66,8 +66,8 @@ from serve_app.replica.stats import ReplicaObserver
 from serve_app.replica.vllm.embeddings import VLLMEmbedder
 from serve_app.replica.vllm.generation import VLLMEngine
 from serve_app.replica.vllm.engine_process import EngineProcessServer
-from serve_app.replica.vllm.runtime import (VLLMRuntime, compile_cache_dir, start_engine_process_server, start_vllm,
-                                             vllm_unavailable)
+from serve_app.replica.vllm.runtime import (VLLMRuntime, cache_root, compile_cache_dir, start_engine_process_server,
+                                             start_vllm, vllm_unavailable)
 from serve_app.scaling import ONGOING_CALLS_METRIC, STARTUP_METRIC
 from serve_app.serve_logs import start_log_flusher
 
@@ -233,7 +233,9 @@ class ModelServer:
         # The same files on vLLM answer slightly differently from the transformers
         # runtime, so its answers get their own revision in cache keys.
         revision = f"{model_revision(model_dir)}-{config.precision}-vllm"
-        cache_dir = compile_cache_dir(config)
+        # The whole cache root: with AOT, vLLM keeps the artifact and inductor's kernels
+        # under torch_compile_cache/; without, inductor's caches are in compile_cache_dir.
+        cache_dir = cache_root(config) if compile_cache_dir(config) is not None else None
         before = directory_bytes(cache_dir)
         with self.startup.phase("engine"):
             runtime = start_vllm(config, model_dir, revision, self._metrics, server)

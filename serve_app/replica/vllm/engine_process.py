@@ -204,10 +204,13 @@ class EngineProcessServer:
             logger.info("vLLM's engine core: %s", self.engine_process)
 
     def stop(self) -> None:
-        """Stops the server (only when no engine core it forked runs: see module doc)."""
+        """Stops the server, and any engine core it forked with it: for when vLLM does not
+        start or started its engine core otherwise. Killed, not asked: a server still
+        importing reads its requests only when done."""
         with contextlib.suppress(Exception):
             if self.alive():
-                multiprocessing.forkserver._forkserver._stop()
+                os.kill(self.pid, signal.SIGKILL)
+                multiprocessing.forkserver._forkserver._stop()  # reaps it, forgets its address
         shutil.rmtree(os.path.dirname(self._report), ignore_errors=True)
 
 
