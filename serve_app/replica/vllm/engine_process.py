@@ -271,6 +271,13 @@ def run_in_environment(environ: dict[str, str], parent: int, target: Any, kwargs
         with contextlib.suppress(OSError):
             os.close(alive_fd)
         multiprocessing.forkserver._forkserver._forkserver_alive_fd = None
+    with contextlib.suppress(Exception):
+        # setproctitle (vLLM names its processes VLLM::EngineCore with it) finds the memory
+        # it rewrites from where the environment's strings lie when it first runs; after
+        # the environment below is rewritten it cannot, and names nothing.
+        import setproctitle
+
+        setproctitle.getproctitle()
     os.environ.clear()
     os.environ.update(environ)
     return target(**kwargs)
