@@ -22,8 +22,8 @@ from serve_app.core.models.base import token_id_input, vocabulary_size
 from serve_app.core.models.checkpoint_formats import VLLM_FORMATS, check_checkpoint_matches, check_vllm_format
 from serve_app.core.models.generation import encode_chat_template
 from serve_app.core.models.hardware import cpu_flags
-from serve_app.replica.vllm.engine_process import EngineProcessServer
 from serve_app.replica.vllm.adapters import adapters_revision, load_adapters, lora_engine_args
+from serve_app.replica.vllm.engine_process import EngineProcessServer
 from serve_app.replica.vllm.stats import EngineStatsLogger
 from serve_app.replica.vllm.tools import tool_parser_class
 
