@@ -243,7 +243,7 @@ class _EngineCoreProcess(multiprocessing.context.ForkServerProcess):
         self._how = server.how_to_start(launch_environ) if server else "spawned: no server"
         if server is not None:
             server.engine_process = self._how
-        parent = server.pid if self._how == "preloaded" and server else os.getpid()
+        parent = server.pid if self._how == "preloaded" else os.getpid()  # "preloaded" only with a server
         self._kwargs = {"environ": launch_environ, "parent": parent, "target": self._target, "kwargs": self._kwargs}
         self._target = run_in_environment
         super().start()

@@ -36,6 +36,11 @@ _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 # ---- choosing and starting the engine -------------------------------------------------
 
 
+def on_gpu(config: ModelConfig) -> bool:
+    """Whether the model's vLLM engine runs on a GPU (it asks for one and is not pinned to the CPU)."""
+    return config.resources.num_gpus > 0 and config.device != "cpu"
+
+
 def vllm_unavailable(config: ModelConfig, model_dir: Path) -> Optional[str]:
     """Why vLLM cannot run this model here, or None if it can (``engine: auto``)."""
     # The task is settled before: ModelServer asks only for tasks vLLM runs (VLLM_TASKS).
@@ -47,7 +52,7 @@ def vllm_unavailable(config: ModelConfig, model_dir: Path) -> Optional[str]:
         from vllm import ModelRegistry
     except Exception as exc:  # a broken install (e.g. a torchvision built for another torch)
         return f"vLLM does not import: {type(exc).__name__}: {exc}"
-    if config.resources.num_gpus > 0 and config.device != "cpu":
+    if on_gpu(config):
         from vllm.platforms import current_platform
 
         if not current_platform.is_cuda_alike():
@@ -191,7 +196,7 @@ def cache_root(config: ModelConfig) -> str:
 def compile_cache_dir(config: ModelConfig) -> Optional[str]:
     """Where this model's compiled kernels go on the CPU (inductor's caches, see
     :func:`cpu_engine_env`); None on a GPU, where vLLM manages its own."""
-    if config.resources.num_gpus > 0 and config.device != "cpu":
+    if on_gpu(config):
         return None
     return os.path.join(cache_root(config), "inductor")
 
@@ -259,10 +264,6 @@ def aot_artifacts_load() -> bool:
     if os.environ.get(ENV_SWITCH, "1") == "0":
         return False
     return any(ep.value.startswith("serve_app.") for ep in entry_points(group="vllm.general_plugins"))
-
-
-def on_gpu(config: ModelConfig) -> bool:
-    return config.resources.num_gpus > 0 and config.device != "cpu"
 
 
 def apply_engine_env(config: ModelConfig) -> bool:
