@@ -417,7 +417,8 @@ class ModelServer:
         a replica that cannot answer instead of routing to it."""
         runtime, config = self.runtime, self.config
         calls = warmup_calls(runtime.task, runtime.max_input_tokens, self.batching.max_batch_size,
-                             chat=bool(getattr(getattr(runtime, "tokenizer", None), "chat_template", None)))
+                             chat=bool(getattr(getattr(runtime, "tokenizer", None), "chat_template", None)),
+                             engine_ran_shapes=self.engine.kind == "vllm")
         with self.startup.phase("warmup"):
             for call in calls if config.warmup else ():
                 try:

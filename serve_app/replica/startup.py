@@ -121,11 +121,23 @@ def warmup_lengths(max_input_tokens: int, longest: int = 512) -> list[int]:
     return lengths + [ceiling]
 
 
-def warmup_calls(task: str, max_input_tokens: int, max_batch_size: int, *, chat: bool = False) -> list[ModelCall]:
+def warmup_calls(task: str, max_input_tokens: int, max_batch_size: int, *, chat: bool = False,
+                 engine_ran_shapes: bool = False) -> list[ModelCall]:
     """The calls a new replica answers before it reports healthy: each length of
     :func:`warmup_lengths` alone, then a batch of mixed lengths as wide as the batch the
     replica runs (at most 32 rows), so the engine has run every step shape it will
-    meet. Generation asks for a few greedy tokens (decode steps at each batch width)."""
+    meet. Generation asks for a few greedy tokens (decode steps at each batch width).
+
+    ``engine_ran_shapes``: the engine ran its own step shapes while it started (vLLM's
+    dummy runs over its token budget, on a graph compiled for any size), so generation
+    sends one short prompt, and a chat turn where there is a template, to run our path
+    and the engine's request path once. On 2 cores the full set took 5.5 s of a
+    39 s SmolLM2 start and the first requests after it ran no faster than without
+    (docs/engines.md, "What the warm-up buys")."""
+    greedy = SamplingParams(temperature=0.0)
+    chat_turn = [GenerateCall(max_tokens=4, sampling=greedy, messages=(ChatTurn(role="user", content="Hello"),))]
+    if task == "text-generation" and engine_ran_shapes:
+        return [GenerateCall(max_tokens=4, sampling=greedy, prompts=(_text(8),)), *(chat_turn if chat else ())]
     lengths = warmup_lengths(max_input_tokens)
     width = max(1, min(32, max_batch_size))
     mixed = tuple(_text(lengths[i % len(lengths)]) for i in range(width))
@@ -136,13 +148,10 @@ def warmup_calls(task: str, max_input_tokens: int, max_batch_size: int, *, chat:
     if task == "image-classification":
         return [ClassifyCall(images=(_blank_png(),))]
     if task == "text-generation":
-        greedy = SamplingParams(temperature=0.0)
         # A short output: the prompt plus it must fit the context window.
         calls: list[ModelCall] = [GenerateCall(max_tokens=4, sampling=greedy, prompts=(_text(n // 2),)) for n in lengths]
         calls.append(GenerateCall(max_tokens=8, sampling=greedy, prompts=tuple(_text(len(t.split()) // 2) for t in mixed)))
-        if chat:
-            calls.append(GenerateCall(max_tokens=4, sampling=greedy, messages=(ChatTurn(role="user", content="Hello"),)))
-        return calls
+        return calls + (chat_turn if chat else [])
     return []
 
 

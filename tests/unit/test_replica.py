@@ -262,6 +262,22 @@ def test_the_first_health_check_warms_up_over_the_shapes_then_marks_the_replica_
     assert len(runtime.calls) == calls, "only the first health check warms up"
 
 
+def test_generation_warms_up_over_its_shapes_unless_the_engine_ran_them_itself():
+    from serve_app.core.calls import GenerateCall
+    from serve_app.replica.startup import warmup_calls, warmup_lengths
+
+    full = warmup_calls("text-generation", 2048, 32, chat=True)
+    lengths = warmup_lengths(2048)
+    assert len(full) == len(lengths) + 2 and max(len(c.prompts or ()) for c in full) == 32
+    # vLLM ran its own shapes while it started: one short prompt and one chat turn run our path.
+    short = warmup_calls("text-generation", 2048, 32, chat=True, engine_ran_shapes=True)
+    assert [(len(c.prompts or ()), len(c.messages or ())) for c in short] == [(1, 0), (0, 1)]
+    assert all(isinstance(c, GenerateCall) and c.max_tokens <= 4 for c in short)
+    assert len(warmup_calls("text-generation", 2048, 32, engine_ran_shapes=True)) == 1  # no chat template
+    # Embeddings keep every shape either way (under a second on 2 cores).
+    assert warmup_calls("embedding", 512, 8, engine_ran_shapes=True) == warmup_calls("embedding", 512, 8)
+
+
 def test_calls_sent_before_the_warm_up_ended_are_counted():
     from serve_app.core.calls import EmbedCall
 
