@@ -218,8 +218,9 @@ class ModelConfig(_Section):
     warmup: bool = Field(
         True,
         description="Before a replica reports healthy (so before Serve routes to it), it answers warm-up calls "
-        "of the lengths and batch widths it will serve, so its first real requests run at full speed; its "
-        "start-up (process start to ready) is logged, exported and read by the prewarm lead.",
+        "of the lengths and batch widths it will serve, so its first real requests run at full speed (a "
+        "generation model on vLLM, which ran its own step shapes while it started: one short prompt and one chat "
+        "turn); its start-up (process start to ready) is logged, exported and read by the prewarm lead.",
     )
 
     @field_validator("name")
