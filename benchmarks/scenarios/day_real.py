@@ -26,7 +26,10 @@ so every copy sends one request per call.
 
 Before the policies, one replica starts and stops: the compile cache is then filled, as
 on a cluster that serves day after day, so the first policy's day does not pay (or plan
-its prewarm lead with) a fresh machine's one-time compile.
+its prewarm lead with) a fresh machine's one-time compile. That replica also answers the
+replay's inputs closed loop, and the day's load is scaled to it (peak at
+``LOAD_OF_CAPACITY`` of its rate, at most the curve as written): CPU types differ
+several-fold, and a day the fixed fleet cannot serve compares nothing.
 
 Per policy it counts replica-seconds (running, and billed: running plus starting),
 the p95 latency of each 30-minute bucket of the simulated day against the SLO, the
@@ -48,7 +51,8 @@ from typing import Any, Optional
 
 import httpx
 
-from benchmarks.harness.registry import Context, ScenarioResult, ScenarioSkipped, require_module, scenario
+from benchmarks.harness.registry import (Context, ScenarioResult, ScenarioSkipped, require_module, run_closed,
+                                         scenario)
 from benchmarks.harness.service import pick_model
 
 # Offered load (requests/s, real seconds) at simulated hours; linear in between. The day
@@ -70,6 +74,11 @@ PROFILE_WINDOWS = [  # name, start, end, min, max
     ("evening", "16:00", "20:00", 1, 2),
 ]
 PREWARM_MARGIN_H = 0.25  # on top of the measured start-up p95
+# The peak offered, as a share of what one replica answers closed-loop on this machine
+# (measured before the day): CPU types differ several-fold (bf16 units or not), and a day
+# the fixed fleet cannot serve compares noise. Never above the curve as written.
+LOAD_OF_CAPACITY = 0.5
+CAPACITY_CONCURRENCY = 8
 
 
 def rate_at(hour: float) -> float:
@@ -77,6 +86,18 @@ def rate_at(hour: float) -> float:
         if h0 <= hour <= h1:
             return r0 + (r1 - r0) * (hour - h0) / (h1 - h0)
     return TRAFFIC_CURVE[-1][1]
+
+
+def rate_scale_for(capacity_rps: float) -> float:
+    """The factor on TRAFFIC_CURVE that puts its peak at LOAD_OF_CAPACITY of one
+    replica's measured rate, at most 1."""
+    return round(min(1.0, LOAD_OF_CAPACITY * capacity_rps / PEAK_RPS), 3)
+
+
+def replay_text(i: int) -> str:
+    """Request i's input: inputs that differ, so nothing is shared, of 60 to 170 tokens
+    (the engine's work, not the HTTP path, is most of a call's cost)."""
+    return f"request {i}: " + "the quick brown fox jumps over the lazy dog " * (6 + i % 12)
 
 
 def arrivals(hour_s: float, *, seed: int = 7, rate_scale: float = 1.0) -> list[float]:
@@ -157,10 +178,7 @@ async def _replay(url: str, offsets: list[float], started: float) -> list[Sample
             delay = started + at - time.time()
             if delay > 0:
                 await asyncio.sleep(delay)
-            # Inputs that differ, so nothing is shared, of 60 to 170 tokens: the engine's work,
-            # not the HTTP path, is most of a call's cost.
-            text = f"request {i}: " + "the quick brown fox jumps over the lazy dog " * (6 + i % 12)
-            body = {"model": "embed", "input": text}
+            body = {"model": "embed", "input": replay_text(i)}
             t0 = time.time()
             try:
                 async with session.post(f"{url}/v1/embeddings", json=body) as response:
@@ -290,10 +308,12 @@ def _lead_line(app: str) -> Optional[str]:
     return last
 
 
-def _fill_compile_cache(ctx: Context, base: dict, cpus: float) -> dict[str, Any]:
-    """Start one replica of the model and stop it: its compile cache is then filled, as on a
-    cluster serving day after day, so that no policy's day pays (or plans its prewarm lead
-    with) the one-time compile of a fresh machine. Its start-up is reported, not counted."""
+def _prepare(ctx: Context, result: ScenarioResult, base: dict, cpus: float) -> dict[str, Any]:
+    """Start one replica of the model, measure it, stop it. Its compile cache is then
+    filled, as on a cluster serving day after day, so that no policy's day pays (or plans
+    its prewarm lead with) the one-time compile of a fresh machine; its start-up is
+    reported, not counted. Its rate on the replay's inputs, closed loop, sets the day's
+    load (:func:`rate_scale_for`)."""
     model, _ = model_config(base, "fixed-peak", 20.0, time.time(), cpus)
     model["num_replicas"] = 1
     app = "day-real-prepare"
@@ -301,8 +321,14 @@ def _fill_compile_cache(ctx: Context, base: dict, cpus: float) -> dict[str, Any]
     url = ctx.cluster.deploy(ctx.cluster.models_app([model]), app)
     ready_s = time.time() - began
     startup = _startups(url)
+    label = "one replica, closed loop (sets the load)"
+    run = run_closed(url, lambda i: ("/v1/embeddings", {"model": "embed", "input": replay_text(i)}),
+                     concurrency=CAPACITY_CONCURRENCY, requests=ctx.pick(400, 200, tiny=16), warmup=16,
+                     label=label, ctx=ctx)
+    result.add(run, label)
     ctx.cluster.delete(app)
-    return {"ready_s": round(ready_s, 1), "compile_cache": startup.get("compile_cache", "unknown")}
+    return {"ready_s": round(ready_s, 1), "compile_cache": startup.get("compile_cache", "unknown"),
+            "capacity_rps": round(run.throughput_rps, 1)}
 
 
 @scenario(name="day-real")
@@ -320,16 +346,16 @@ def day_real(ctx: Context) -> ScenarioResult:
 
     result = ScenarioResult("day-real", day_real.__doc__)
     hour_s = ctx.pick(20.0, 12.0, tiny=2.0)
-    rate_scale = ctx.pick(1.0, 1.0, tiny=0.1)
     base = pick_model(ctx.models, "embedding")
     cpus = 0.25  # per replica: logical, so three fit beside the router; the engine thread is what runs
+    rows: dict[str, dict[str, Any]] = {}
+    filled = _prepare(ctx, result, base, cpus)
+    rate_scale = 0.1 if ctx.tiny else rate_scale_for(filled["capacity_rps"])
+    print(f"   compile cache: {filled['compile_cache']} by a first replica ready in {filled['ready_s']:.0f} s; "
+          f"it answered {filled['capacity_rps']:g}/s closed loop: the peak is {PEAK_RPS * rate_scale:g}/s", flush=True)
     offsets = arrivals(hour_s, rate_scale=rate_scale)
     print(f"   {len(offsets)} requests over {(LAST_HOUR - FIRST_HOUR) * hour_s:.0f} s per policy "
           f"({hour_s:.0f} s per simulated hour)", flush=True)
-    rows: dict[str, dict[str, Any]] = {}
-    filled = _fill_compile_cache(ctx, base, cpus)
-    print(f"   compile cache: {filled['compile_cache']} by a first replica ready in {filled['ready_s']:.0f} s",
-          flush=True)
     for policy in ("daily-profile", "reactive", "fixed-peak"):
         app = f"day-real-{policy}"
         # The replay starts at the profile clock's anchor, which its config names before
@@ -385,6 +411,7 @@ def day_real(ctx: Context) -> ScenarioResult:
     fleet = rows["fixed-peak"]["replica_s_billed"]
     result.derived.update(
         compile_cache_before_the_day=f"{filled['compile_cache']} (first replica ready in {filled['ready_s']:g} s)",
+        one_replica_closed_loop_rps=filled["capacity_rps"],
         hour_s=hour_s, rate_scale=rate_scale, slo_p95_ms=SLO_P95_MS, peak_fleet=PEAK_FLEET,
         traffic=" ".join(f"{h:g}h:{r * rate_scale:g}/s" for h, r in TRAFFIC_CURVE),
         profile_windows=" ".join(f"{n} {s}-{e} [{lo},{hi}]" for n, s, e, lo, hi in PROFILE_WINDOWS),

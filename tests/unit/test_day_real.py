@@ -26,6 +26,21 @@ def test_the_day_has_a_night_a_ramp_a_peak_and_an_evening():
     assert day_real.arrivals(1.0) == offsets, "the same arrivals for every policy"
 
 
+def test_the_load_is_set_from_what_one_replica_answers_here():
+    # The peak at half of one replica's closed-loop rate, never above the curve as written:
+    # a slower CPU gets a lighter day, the same share of its capacity.
+    assert day_real.rate_scale_for(2 * day_real.PEAK_RPS / day_real.LOAD_OF_CAPACITY) == 1.0
+    assert day_real.rate_scale_for(day_real.PEAK_RPS / day_real.LOAD_OF_CAPACITY) == 1.0
+    half = day_real.rate_scale_for(0.5 * day_real.PEAK_RPS / day_real.LOAD_OF_CAPACITY)
+    assert half == 0.5
+    offsets = day_real.arrivals(1.0, rate_scale=half)
+    peak = sum(1 for t in offsets if 7.0 <= t < 10.0) / 3.0
+    assert peak == pytest.approx(day_real.PEAK_RPS * half, rel=0.25)
+    # The calibration sends the replay's own inputs: 60 to 170 tokens, all different.
+    texts = [day_real.replay_text(i) for i in range(24)]
+    assert len(set(texts)) == 24 and min(map(len, texts)) < max(map(len, texts))
+
+
 def test_each_policy_scales_the_shipped_model_on_vllm_with_one_engine_thread():
     from serve_app.app import model_deployment
     from serve_app.config import parse_app_config
