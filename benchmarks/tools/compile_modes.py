@@ -11,7 +11,8 @@ plugin, serve_app/replica/vllm/plugin.py), ``aot0`` (VLLM_USE_AOT_COMPILE=0: ind
 caches; dynamo traces the model again on every start) and ``eager`` (enforce_eager: no
 compile). A generation start also prints a digest of its greedy tokens, which a warm
 start must repeat. Each start runs in a process of its own, as a replica does, with the engine
-options serve_app gives the model (bf16, two threads). Prints one JSON line per start.
+options serve_app gives the model (two threads; bf16 where the CPU has bf16 units, else fp32,
+as ``precision: auto`` picks, or ``--precision``). Prints one JSON line per start.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def _environment(mode: str, cache: str) -> None:
     os.environ[PLUGIN_SWITCH] = "1" if mode == "aot-shim" else "0"
 
 
-def one_start(mode: str, model: str, cache: str) -> dict:
+def one_start(mode: str, model: str, cache: str, precision: str = "bf16") -> dict:
     from vllm import AsyncEngineArgs, PoolingParams, SamplingParams
     from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -50,7 +51,7 @@ def one_start(mode: str, model: str, cache: str) -> dict:
 
     source, task = MODELS[model]
     config = ModelConfig.model_validate({
-        "name": model, "source": source, "task": task, "precision": "bf16",
+        "name": model, "source": source, "task": task, "precision": precision,
         "batching": {"max_batch_size": 64 if task == "embedding" else 16},
         "resources": {"num_cpus": 0.8, "torch_threads": 2}, "vllm": {"enforce_eager": mode == "eager"}})
     for name, value in cpu_engine_env(config).items():
@@ -58,7 +59,7 @@ def one_start(mode: str, model: str, cache: str) -> dict:
             os.environ[name] = value
     started = time.perf_counter()
     engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args(config, resolve_source(source))))
-    out = {"mode": mode, "model": model, "engine_start_s": round(time.perf_counter() - started, 1)}
+    out = {"mode": mode, "model": model, "precision": precision, "engine_start_s": round(time.perf_counter() - started, 1)}
     tokenizer = engine.get_tokenizer()
     # Prose of the right length for the prompts below (the README is too short for them).
     words = (Path(__file__).resolve().parents[2] / "serve_app" / "optimize" / "data" / "calibration.txt").read_text().split()
@@ -104,7 +105,7 @@ def one_start(mode: str, model: str, cache: str) -> dict:
 
 def main(argv: list[str]) -> None:
     if argv[:1] == ["--one"]:
-        print("RESULT " + json.dumps(one_start(*argv[1:4])), flush=True)
+        print("RESULT " + json.dumps(one_start(*argv[1:5])), flush=True)
         return
     flags = open("/proc/cpuinfo").read().split("flags", 2)[1].split("\n")[0] if os.path.exists("/proc/cpuinfo") else ""
     print("cpu flags:", " ".join(f for f in flags.split() if f.startswith(("avx512_bf16", "amx", "avx512_vnni"))))
@@ -113,14 +114,18 @@ def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.tools.compile_modes")
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated, of " + ", ".join(MODELS))
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated, of " + ", ".join(MODES))
+    # What `precision: auto` picks on a CPU: bf16 where it has bf16 units, else fp32.
+    parser.add_argument("--precision", choices=("bf16", "fp32"),
+                        default="bf16" if "avx512_bf16" in flags.split() or "amx_bf16" in flags.split() else "fp32")
     args = parser.parse_args(argv)
+    print("precision:", args.precision)
     for model in args.models.split(","):
         for mode in args.modes.split(","):
             with tempfile.TemporaryDirectory() as cache:
                 for start in ("cold", "warm"):
                     begun = time.perf_counter()
                     run = subprocess.run([sys.executable, "-m", "benchmarks.tools.compile_modes", "--one", mode, model,
-                                          cache], capture_output=True, text=True)
+                                          cache, args.precision], capture_output=True, text=True)
                     line = next((x for x in run.stdout.splitlines() if x.startswith("RESULT ")), None)
                     result = json.loads(line[7:]) if line else {"error": run.stderr[-400:]}
                     print(json.dumps({"start": start, **result, "process_s": round(time.perf_counter() - begun, 1)}),

@@ -66,8 +66,8 @@ from serve_app.replica.stats import ReplicaObserver
 from serve_app.replica.vllm.embeddings import VLLMEmbedder
 from serve_app.replica.vllm.generation import VLLMEngine
 from serve_app.replica.vllm.engine_process import EngineProcessServer
-from serve_app.replica.vllm.runtime import (VLLMRuntime, cache_root, compile_cache_dir, start_engine_process_server,
-                                             start_vllm, vllm_unavailable)
+from serve_app.replica.vllm.runtime import (VLLMRuntime, cache_root, compile_cache_dir, runs_eager,
+                                             start_engine_process_server, start_vllm, vllm_unavailable)
 from serve_app.scaling import ONGOING_CALLS_METRIC, STARTUP_METRIC
 from serve_app.serve_logs import start_log_flusher
 
@@ -240,7 +240,7 @@ class ModelServer:
         with self.startup.phase("engine"):
             runtime = start_vllm(config, model_dir, revision, self._metrics, server)
         self.startup.engine_process = server.engine_process if server is not None else "spawned: no server"
-        if cache_dir is not None and not config.vllm.enforce_eager:
+        if cache_dir is not None and not runs_eager(config):
             self.startup.compile_cache = "reused" if directory_bytes(cache_dir) == before else "filled"
         return runtime
 

@@ -7,7 +7,7 @@ import json
 from typing import Any, Optional
 
 from serve_app.config import ModelConfig
-from serve_app.replica.vllm.runtime import VLLMRuntime
+from serve_app.replica.vllm.runtime import VLLMRuntime, runs_eager
 
 # Part of every revision this replica reports. Bump it when a code change alters what an
 # engine answers for the same weights, config and input (2: the continuous engine applies
@@ -35,6 +35,6 @@ def answer_revision(config: ModelConfig, runtime: Any, engine_kind: Optional[str
     if isinstance(runtime, VLLMRuntime):
         vllm = config.vllm
         answers["vllm"] = {"engine_args": vllm.engine_args, "tensor_parallel_size": vllm.tensor_parallel_size,
-                           "enforce_eager": vllm.enforce_eager, "quantization": config.quantization}
+                           "enforce_eager": runs_eager(config), "quantization": config.quantization}
     digest = hashlib.sha256(json.dumps(answers, sort_keys=True, default=str).encode()).hexdigest()[:12]
     return f"{runtime.revision}-{engine_kind or 'encoder'}-{digest}"

@@ -162,7 +162,7 @@ def engine_args(config: ModelConfig, model_dir: Path) -> dict[str, Any]:
         max_num_batched_tokens=options.max_num_batched_tokens,
         gpu_memory_utilization=options.gpu_memory_utilization,
         tensor_parallel_size=options.tensor_parallel_size,
-        enforce_eager=options.enforce_eager,
+        enforce_eager=runs_eager(config),
         runner="pooling" if config.task == "embedding" else "generate",
         disable_log_stats=False,  # the stat loggers below need the engine's figures
     )
@@ -232,6 +232,19 @@ def gpu_engine_env(config: ModelConfig) -> dict[str, str]:
     keeps its compiled graphs (torch_compile_cache/), on a volume a cluster keeps, say;
     otherwise vLLM's own defaults, which load their artifacts on the GPU as shipped."""
     return {"VLLM_CACHE_ROOT": cache_root(config)} if config.vllm.compile_cache_dir else {}
+
+
+def runs_eager(config: ModelConfig) -> bool:
+    """Whether vLLM runs the model without torch.compile (``vllm.enforce_eager``, else by default
+    for embeddings on a CPU). Measured side by side (python -m benchmarks.tools.compile_modes,
+    docs/engines.md): on the CPU the compiled graph embedded no faster than eager mode (MiniLM,
+    2-core AMD EPYC with AVX2, fp32: 58/s either way; on a Xeon with AMX, once warm) while it
+    added 4 s to a warm engine start and 23 s to a cold one: eager, a replica the schedule adds
+    serves sooner at no cost. Generation stays compiled: there it decoded one stream 1.3-1.6x as
+    fast. GPUs keep vLLM's own default (compiled and CUDA graphs), which nothing here measured."""
+    if config.vllm.enforce_eager is not None:
+        return config.vllm.enforce_eager
+    return config.task == "embedding" and not on_gpu(config)
 
 
 def uses_aot_compile(config: ModelConfig) -> bool:
