@@ -108,7 +108,8 @@ def main(argv: list[str]) -> None:
         print("RESULT " + json.dumps(one_start(*argv[1:5])), flush=True)
         return
     flags = open("/proc/cpuinfo").read().split("flags", 2)[1].split("\n")[0] if os.path.exists("/proc/cpuinfo") else ""
-    print("cpu flags:", " ".join(f for f in flags.split() if f.startswith(("avx512_bf16", "amx", "avx512_vnni"))))
+    shown = ("avx2", "avx512f", "avx512_bf16", "amx", "avx512_vnni")
+    print("cpu flags:", " ".join(f for f in flags.split() if f.startswith(shown)))
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m benchmarks.tools.compile_modes")
