@@ -2,11 +2,12 @@
 under three scaling policies, one after another.
 
 The `day` scenario replays a whole day on stub replicas that start in a second. This
-one pays what a real replica costs: each policy scales the shipped MiniLM (vLLM, its
-compile cache reused, warm-up before ready) through the real HTTP proxy and Router, so
-a replica added at the morning ramp takes its real start-up, tens of seconds here,
-which the compressed clock turns into simulated hours. The policies run in turn, not
-at once, on the same arrivals: two cores hold one policy's replicas, not three fleets.
+one pays what a real replica costs: each policy scales the shipped MiniLM (vLLM, eager on
+a CPU by default, else its compile cache reused; warm-up before ready) through the real
+HTTP proxy and Router, so a replica added at the morning ramp takes its real start-up,
+tens of seconds here, which the compressed clock turns into simulated hours. The policies
+run in turn, not at once, on the same arrivals: two cores hold one policy's replicas, not
+three fleets.
 
 - ``daily-profile``: serve_app's policy with the load profile an operator would write
   for this traffic (``PROFILE_WINDOWS``); its prewarm lead comes from the start-ups its
@@ -24,9 +25,10 @@ not gather calls here: Ray's default policy counts Serve requests, and a gathere
 would read as one (the daily profile reads the replicas' own call counts either way),
 so every copy sends one request per call.
 
-Before the policies, one replica starts and stops: the compile cache is then filled, as
-on a cluster that serves day after day, so the first policy's day does not pay (or plan
-its prewarm lead with) a fresh machine's one-time compile. That replica also answers the
+Before the policies, one replica starts and stops: a compiling engine's cache is then
+filled (MiniLM runs eager on a CPU by default and compiles nothing), as on a cluster that
+serves day after day, so the first policy's day does not pay (or plan its prewarm lead
+with) a fresh machine's one-time compile. That replica also answers the
 replay's inputs closed loop, and the day's load is scaled to it (peak at
 ``LOAD_OF_CAPACITY`` of its rate, at most the curve as written): CPU types differ
 several-fold, and a day the fixed fleet cannot serve compares nothing.
@@ -309,8 +311,8 @@ def _lead_line(app: str) -> Optional[str]:
 
 
 def _prepare(ctx: Context, result: ScenarioResult, base: dict, cpus: float) -> dict[str, Any]:
-    """Start one replica of the model, measure it, stop it. Its compile cache is then
-    filled, as on a cluster serving day after day, so that no policy's day pays (or plans
+    """Start one replica of the model, measure it, stop it. A compiling engine's cache is
+    then filled, as on a cluster serving day after day, so that no policy's day pays (or plans
     its prewarm lead with) the one-time compile of a fresh machine; its start-up is
     reported, not counted. Its rate on the replay's inputs, closed loop, sets the day's
     load (:func:`rate_scale_for`)."""
