@@ -235,12 +235,14 @@ class ModelServer:
         revision = f"{model_revision(model_dir)}-{config.precision}-vllm"
         # The whole cache root: with AOT, vLLM keeps the artifact and inductor's kernels
         # under torch_compile_cache/; without, inductor's caches are in compile_cache_dir.
-        cache_dir = cache_root(config) if compile_cache_dir(config) is not None else None
+        # An eager engine compiles nothing, so its start walks no cache.
+        compiles = compile_cache_dir(config) is not None and not runs_eager(config)
+        cache_dir = cache_root(config) if compiles else None
         before = directory_bytes(cache_dir)
         with self.startup.phase("engine"):
             runtime = start_vllm(config, model_dir, revision, self._metrics, server)
         self.startup.engine_process = server.engine_process if server is not None else "spawned: no server"
-        if cache_dir is not None and not runs_eager(config):
+        if cache_dir is not None:
             self.startup.compile_cache = "reused" if directory_bytes(cache_dir) == before else "filled"
         return runtime
 
