@@ -107,19 +107,24 @@ def main(argv: list[str]) -> None:
     if argv[:1] == ["--one"]:
         print("RESULT " + json.dumps(one_start(*argv[1:5])), flush=True)
         return
-    flags = open("/proc/cpuinfo").read().split("flags", 2)[1].split("\n")[0] if os.path.exists("/proc/cpuinfo") else ""
-    shown = ("avx2", "avx512f", "avx512_bf16", "amx", "avx512_vnni")
-    print("cpu flags:", " ".join(f for f in flags.split() if f.startswith(shown)))
     import argparse
+
+    import torch
+
+    from serve_app.core.models.devices import resolve_precision
+    from serve_app.core.models.hardware import cpu_flags
+
+    shown = ("avx2", "avx512f", "avx512_bf16", "amx", "avx512_vnni")
+    print("cpu flags:", " ".join(sorted(f for f in cpu_flags() if f.startswith(shown))))
 
     parser = argparse.ArgumentParser(prog="python -m benchmarks.tools.compile_modes")
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated, of " + ", ".join(MODELS))
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated, of " + ", ".join(MODES))
-    # What `precision: auto` picks on a CPU: bf16 where it has bf16 units, else fp32.
-    parser.add_argument("--precision", choices=("bf16", "fp32"),
-                        default="bf16" if "avx512_bf16" in flags.split() or "amx_bf16" in flags.split() else "fp32")
+    # What `precision: auto` picks on this CPU (before a replica's quality gate).
+    auto, why = resolve_precision("auto", torch.device("cpu"))
+    parser.add_argument("--precision", choices=("bf16", "fp32"), default=auto)
     args = parser.parse_args(argv)
-    print("precision:", args.precision)
+    print(f"precision: {args.precision}" + (f" ({why})" if args.precision == auto else ""))
     for model in args.models.split(","):
         for mode in args.modes.split(","):
             with tempfile.TemporaryDirectory() as cache:
